@@ -1,0 +1,26 @@
+"""Session-aware KV cache connector for vLLM: RAM and disk tiers keyed by block hash.
+
+``server.kv.connector.SessionKVConnector`` is loaded by vLLM through
+``kv_connector_module_path="server.kv.connector"``; the API process uses
+:mod:`server.kv.control`. Importing this package does not import torch or vLLM.
+"""
+
+from server.kv.control import (
+    InvalidSessionId,
+    SessionControl,
+    SessionExists,
+    SessionInfo,
+    SessionNotFound,
+    TierUsage,
+    validate_session_id,
+)
+
+__all__ = [
+    "InvalidSessionId",
+    "SessionControl",
+    "SessionExists",
+    "SessionInfo",
+    "SessionNotFound",
+    "TierUsage",
+    "validate_session_id",
+]

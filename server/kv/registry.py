@@ -1,0 +1,418 @@
+"""The session registry: one SQLite file (WAL mode) shared by the API process and the engine.
+
+Tables:
+- ``sessions``: one row per (tenant, session id): tokens, turns, times, pin, TTL and the
+  session's turn-gap statistics (count and mean, used by the eviction policy).
+- ``session_blocks``: a session's ordered block keys (hex vLLM block hashes). Blocks are
+  content-addressed, so a copy is a copy of this list.
+- ``blocks``: where the engine last reported each block (``ram``/``disk`` flags, bytes).
+- ``drops``: block keys the API process freed (their files already unlinked); the engine reads
+  new rows and forgets those blocks in every tier.
+- ``stats``: the engine's counters (added as deltas) and gauges (set), read by ``metrics()``.
+
+Every method opens its own short transaction; a connection is shared by the threads of one
+process behind a lock. Writers use ``BEGIN IMMEDIATE`` and a busy timeout, so two processes
+never see half a change. Session ids are data only: never part of a path.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    tenant TEXT NOT NULL, id TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL DEFAULT 0, turns INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL, last_used_at REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0, ttl_seconds REAL,
+    gap_count INTEGER NOT NULL DEFAULT 0, gap_mean REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, id)
+);
+CREATE TABLE IF NOT EXISTS session_blocks (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, idx INTEGER NOT NULL, key TEXT NOT NULL,
+    PRIMARY KEY (tenant, session_id, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS session_blocks_key ON session_blocks (key);
+CREATE TABLE IF NOT EXISTS blocks (
+    key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL,
+    ram INTEGER NOT NULL DEFAULT 0, disk INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
+"""
+
+_SESSION_COLS = (
+    "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
+    "gap_count, gap_mean"
+)
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """One session as stored (times are unix seconds)."""
+
+    tenant: str
+    id: str
+    num_tokens: int
+    turns: int
+    created_at: float
+    last_used_at: float
+    pinned: bool
+    ttl_seconds: float | None
+    gap_count: int
+    gap_mean: float
+    num_blocks: int = 0
+
+    @property
+    def expires_at(self) -> float | None:
+        """When the session expires (last use + TTL), or None without a TTL."""
+        return None if self.ttl_seconds is None else self.last_used_at + self.ttl_seconds
+
+
+@dataclass(frozen=True)
+class TierCount:
+    """Blocks and bytes of one session in one tier."""
+
+    blocks: int
+    bytes: int
+
+
+class Registry:
+    """Typed access to the registry file; safe for several threads and several processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        with self._write() as db:
+            for stmt in _SCHEMA.strip().split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    def data_version(self) -> int:
+        """A number that changes whenever another connection commits (cheap change check)."""
+        return int(self._read("PRAGMA data_version")[0][0])
+
+    # ----------------------------------------------------------------- sessions
+
+    def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
+        """The session, or None if unknown (expired sessions are purged by the caller)."""
+        rows = self._read(
+            f"SELECT {_SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
+            "WHERE tenant = ? AND id = ?",
+            (tenant, session_id),
+        )
+        return _row(rows[0]) if rows else None
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
+        """A tenant's sessions, most recently used first."""
+        rows = self._read(
+            f"SELECT {_SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s WHERE tenant = ? "
+            "ORDER BY last_used_at DESC, id LIMIT ? OFFSET ?",
+            (tenant, limit, offset),
+        )
+        return [_row(r) for r in rows]
+
+    def count_sessions(self) -> int:
+        """Number of sessions of all tenants."""
+        return int(self._read("SELECT count(*) FROM sessions")[0][0])
+
+    def create_session(
+        self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
+    ) -> bool:
+        """Insert an empty session; False if it already exists."""
+        now = time.time()
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO sessions (tenant, id, created_at, last_used_at, pinned, "
+                "ttl_seconds) VALUES (?, ?, ?, ?, ?, ?)",
+                (tenant, session_id, now, now, int(pinned), ttl_seconds),
+            )
+            return cur.rowcount == 1
+
+    def update_session(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        set_ttl: bool,
+        ttl_seconds: float | None,
+        pinned: bool | None,
+    ) -> bool:
+        """Change TTL (when ``set_ttl``) and/or pin; False if the session is unknown."""
+        with self._write() as db:
+            found = db.execute(
+                "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
+            ).fetchone()
+            if found is None:
+                return False
+            if set_ttl:
+                db.execute(
+                    "UPDATE sessions SET ttl_seconds = ? WHERE tenant = ? AND id = ?",
+                    (ttl_seconds, tenant, session_id),
+                )
+            if pinned is not None:
+                db.execute(
+                    "UPDATE sessions SET pinned = ? WHERE tenant = ? AND id = ?",
+                    (int(pinned), tenant, session_id),
+                )
+            return True
+
+    def record_turn(
+        self,
+        tenant: str,
+        session_id: str,
+        keys: list[str],
+        num_tokens: int,
+        *,
+        default_ttl_s: float | None,
+        now: float | None = None,
+    ) -> None:
+        """Record a finished request of a session: its block list, tokens, turn and gap."""
+        now = time.time() if now is None else now
+        with self._write() as db:
+            row = db.execute(
+                "SELECT turns, last_used_at, gap_count, gap_mean FROM sessions "
+                "WHERE tenant = ? AND id = ?",
+                (tenant, session_id),
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO sessions (tenant, id, num_tokens, turns, created_at, "
+                    "last_used_at, ttl_seconds) VALUES (?, ?, ?, 1, ?, ?, ?)",
+                    (tenant, session_id, num_tokens, now, now, default_ttl_s),
+                )
+            else:
+                turns, last_used, gap_count, gap_mean = row
+                if turns > 0:
+                    gap = max(0.0, now - last_used)
+                    gap_count += 1
+                    gap_mean += (gap - gap_mean) / gap_count
+                db.execute(
+                    "UPDATE sessions SET num_tokens = ?, turns = turns + 1, last_used_at = ?, "
+                    "gap_count = ?, gap_mean = ? WHERE tenant = ? AND id = ?",
+                    (num_tokens, now, gap_count, gap_mean, tenant, session_id),
+                )
+            db.execute(
+                "DELETE FROM session_blocks WHERE tenant = ? AND session_id = ?",
+                (tenant, session_id),
+            )
+            db.executemany(
+                "INSERT INTO session_blocks (tenant, session_id, idx, key) VALUES (?, ?, ?, ?)",
+                [(tenant, session_id, i, k) for i, k in enumerate(keys)],
+            )
+
+    def session_keys(self, tenant: str, session_id: str) -> list[str]:
+        """The session's block keys in prefix order."""
+        rows = self._read(
+            "SELECT key FROM session_blocks WHERE tenant = ? AND session_id = ? ORDER BY idx",
+            (tenant, session_id),
+        )
+        return [r[0] for r in rows]
+
+    def delete_session(self, tenant: str, session_id: str) -> list[str] | None:
+        """Delete a session; return its keys no other session references (None: unknown)."""
+        with self._write() as db:
+            return _delete(db, tenant, session_id)
+
+    def copy_session(self, tenant: str, source: str, target: str, *, overwrite: bool) -> str:
+        """Fork ``source`` into ``target``. Returns "ok", "no_source" or "target_exists"."""
+        now = time.time()
+        with self._write() as db:
+            src = db.execute(
+                "SELECT num_tokens, turns, pinned, ttl_seconds, gap_count, gap_mean "
+                "FROM sessions WHERE tenant = ? AND id = ?",
+                (tenant, source),
+            ).fetchone()
+            if src is None:
+                return "no_source"
+            exists = db.execute(
+                "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, target)
+            ).fetchone()
+            if exists is not None and not overwrite:
+                return "target_exists"
+            if exists is not None:
+                # Blocks the old target alone held stay in the tiers' LRU; the engine evicts them.
+                _delete(db, tenant, target)
+            num_tokens, turns, _pinned, ttl, gap_count, gap_mean = src
+            db.execute(
+                "INSERT INTO sessions (tenant, id, num_tokens, turns, created_at, last_used_at, "
+                "pinned, ttl_seconds, gap_count, gap_mean) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
+                (tenant, target, num_tokens, turns, now, now, ttl, gap_count, gap_mean),
+            )
+            db.execute(
+                "INSERT INTO session_blocks (tenant, session_id, idx, key) SELECT tenant, ?, idx, "
+                "key FROM session_blocks WHERE tenant = ? AND session_id = ?",
+                (target, tenant, source),
+            )
+            return "ok"
+
+    def purge_expired(self, now: float | None = None) -> list[str]:
+        """Delete every expired session; return the keys no remaining session references."""
+        now = time.time() if now is None else now
+        with self._write() as db:
+            expired = db.execute(
+                "SELECT tenant, id FROM sessions WHERE ttl_seconds IS NOT NULL "
+                "AND last_used_at + ttl_seconds < ?",
+                (now,),
+            ).fetchall()
+            orphans: list[str] = []
+            for tenant, sid in expired:
+                orphans.extend(_delete(db, tenant, sid) or [])
+            return sorted(set(orphans))
+
+    def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
+        """All sessions and all (tenant, session id, key) references, for the eviction policy."""
+        sessions = [_row((*r, 0)) for r in self._read(f"SELECT {_SESSION_COLS} FROM sessions")]
+        refs = self._read("SELECT tenant, session_id, key FROM session_blocks")
+        return sessions, [(t, s, k) for t, s, k in refs]
+
+    # ------------------------------------------------------------------- blocks
+
+    def set_block_tiers(self, updates: dict[str, tuple[bool, bool, int]]) -> None:
+        """Publish where blocks are: key -> (in RAM, on disk, bytes); rows in no tier go."""
+        if not updates:
+            return
+        with self._write() as db:
+            for key, (ram, disk, nbytes) in updates.items():
+                if ram or disk:
+                    db.execute(
+                        "INSERT INTO blocks (key, nbytes, ram, disk) VALUES (?, ?, ?, ?) "
+                        "ON CONFLICT(key) DO UPDATE SET nbytes = excluded.nbytes, "
+                        "ram = excluded.ram, disk = excluded.disk",
+                        (key, nbytes, int(ram), int(disk)),
+                    )
+                else:
+                    db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+
+    def reset_block_tiers(self) -> None:
+        """Forget all published locations (the engine republishes them at start)."""
+        with self._write() as db:
+            db.execute("DELETE FROM blocks")
+
+    def tier_usage(self, tenant: str, session_id: str) -> dict[str, TierCount]:
+        """Blocks and bytes of a session's distinct blocks per tier ("ram", "disk", "redis")."""
+        row = self._read(
+            "SELECT coalesce(sum(b.ram), 0), coalesce(sum(b.ram * b.nbytes), 0), "
+            "coalesce(sum(b.disk), 0), coalesce(sum(b.disk * b.nbytes), 0) FROM blocks b "
+            "WHERE b.key IN (SELECT key FROM session_blocks WHERE tenant = ? AND session_id = ?)",
+            (tenant, session_id),
+        )[0]
+        return {
+            "ram": TierCount(int(row[0]), int(row[1])),
+            "disk": TierCount(int(row[2]), int(row[3])),
+            "redis": TierCount(0, 0),
+        }
+
+    def add_drops(self, keys: Iterable[str]) -> None:
+        """Tell the engine these blocks are gone (their files already removed)."""
+        keys = list(keys)
+        if keys:
+            with self._write() as db:
+                db.executemany("INSERT INTO drops (key) VALUES (?)", [(k,) for k in keys])
+                db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in keys])
+
+    def drops_after(self, seq: int) -> tuple[int, list[str]]:
+        """Drops newer than ``seq``: (the newest seq, their keys)."""
+        rows = self._read("SELECT seq, key FROM drops WHERE seq > ? ORDER BY seq", (seq,))
+        return (rows[-1][0] if rows else seq), [r[1] for r in rows]
+
+    def last_drop_seq(self) -> int:
+        """The newest drop sequence number (0 when none)."""
+        return int(self._read("SELECT coalesce(max(seq), 0) FROM drops")[0][0])
+
+    # -------------------------------------------------------------------- stats
+
+    def add_stats(self, counters: dict[str, float], gauges: dict[str, float]) -> None:
+        """Add ``counters`` to the stored totals and overwrite ``gauges``."""
+        with self._write() as db:
+            for name, delta in counters.items():
+                db.execute(
+                    "INSERT INTO stats (name, value) VALUES (?, ?) "
+                    "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                    (name, delta),
+                )
+            for name, value in gauges.items():
+                db.execute(
+                    "INSERT INTO stats (name, value) VALUES (?, ?) "
+                    "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+                    (name, value),
+                )
+
+    def stats(self) -> dict[str, float]:
+        """All stored counters and gauges."""
+        return {name: float(value) for name, value in self._read("SELECT name, value FROM stats")}
+
+
+def _row(r: tuple) -> SessionRow:
+    return SessionRow(
+        tenant=r[0],
+        id=r[1],
+        num_tokens=int(r[2]),
+        turns=int(r[3]),
+        created_at=float(r[4]),
+        last_used_at=float(r[5]),
+        pinned=bool(r[6]),
+        ttl_seconds=None if r[7] is None else float(r[7]),
+        gap_count=int(r[8]),
+        gap_mean=float(r[9]),
+        num_blocks=int(r[10]),
+    )
+
+
+def _delete(db: sqlite3.Connection, tenant: str, session_id: str) -> list[str] | None:
+    found = db.execute(
+        "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
+    ).fetchone()
+    if found is None:
+        return None
+    keys = [
+        r[0]
+        for r in db.execute(
+            "SELECT DISTINCT key FROM session_blocks WHERE tenant = ? AND session_id = ?",
+            (tenant, session_id),
+        )
+    ]
+    db.execute(
+        "DELETE FROM session_blocks WHERE tenant = ? AND session_id = ?", (tenant, session_id)
+    )
+    db.execute("DELETE FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id))
+    return [
+        k
+        for k in keys
+        if db.execute("SELECT 1 FROM session_blocks WHERE key = ? LIMIT 1", (k,)).fetchone() is None
+    ]

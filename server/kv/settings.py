@@ -1,0 +1,104 @@
+"""Typed connector settings parsed from vLLM's ``kv_connector_extra_config``.
+
+The app passes the keys of contracts.md section 2; :meth:`ConnectorSettings.from_extra_config`
+validates them and raises :class:`SettingsError` with a message naming the bad key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REGISTRY_FILE = "sessions.sqlite3"
+"""File name of the session registry inside ``cache_dir``."""
+
+
+class SettingsError(ValueError):
+    """A ``kv_connector_extra_config`` value is missing or has the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Configuration of :class:`server.kv.connector.SessionKVConnector`."""
+
+    cache_dir: Path
+    """Folder holding the session registry (``sessions.sqlite3``) and, by default, ``blocks/``."""
+
+    disk_dir: Path
+    """Folder of the disk tier's block files (default ``<cache_dir>/blocks``)."""
+
+    ram_bytes: int
+    """Byte budget of the RAM tier (a preallocated pool); 0 disables RAM and disk saving."""
+
+    disk_bytes: int
+    """Byte budget of the disk tier; 0 disables the disk tier."""
+
+    redis_url: str | None = None
+    """Optional Redis URL of a shared tier (not used by this version; accepted and logged)."""
+
+    default_ttl_s: float | None = None
+    """TTL given to sessions created implicitly by a request (None: no expiry)."""
+
+    model_id: str = ""
+    """Served model name or path, recorded in the disk manifest."""
+
+    stats_flush_s: float = 1.0
+    """Minimum seconds between two flushes of the engine's counters to the registry."""
+
+    default_gap_s: float = 300.0
+    """Assumed turn gap (seconds) of a session with fewer than two turns, for eviction."""
+
+    @property
+    def registry_path(self) -> Path:
+        """Path of the SQLite session registry."""
+        return self.cache_dir / REGISTRY_FILE
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Parse and validate ``kv_connector_extra_config`` (contracts.md section 2)."""
+        extra = dict(extra or {})
+        cache_dir = extra.get("cache_dir")
+        if not isinstance(cache_dir, str) or not cache_dir:
+            raise SettingsError(
+                "kv_connector_extra_config['cache_dir'] must be a non-empty folder path"
+            )
+        root = Path(cache_dir).expanduser()
+        disk_dir_raw = extra.get("disk_dir")
+        if disk_dir_raw is not None and not isinstance(disk_dir_raw, str):
+            raise SettingsError("kv_connector_extra_config['disk_dir'] must be a path or null")
+        disk_dir = Path(disk_dir_raw).expanduser() if disk_dir_raw else root / "blocks"
+        ttl = extra.get("default_ttl_s")
+        if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
+            raise SettingsError("kv_connector_extra_config['default_ttl_s'] must be > 0 or null")
+        redis_url = extra.get("redis_url")
+        if redis_url is not None and not isinstance(redis_url, str):
+            raise SettingsError("kv_connector_extra_config['redis_url'] must be a string or null")
+        model_id = extra.get("model_id", "")
+        if not isinstance(model_id, str):
+            raise SettingsError("kv_connector_extra_config['model_id'] must be a string")
+        return cls(
+            cache_dir=root,
+            disk_dir=disk_dir,
+            ram_bytes=_non_negative_int(extra, "ram_bytes", 256 << 20),
+            disk_bytes=_non_negative_int(extra, "disk_bytes", 1 << 30),
+            redis_url=redis_url or None,
+            default_ttl_s=float(ttl) if ttl is not None else None,
+            model_id=model_id,
+            stats_flush_s=_positive_float(extra, "stats_flush_s", 1.0),
+            default_gap_s=_positive_float(extra, "default_gap_s", 300.0),
+        )
+
+
+def _non_negative_int(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SettingsError(f"kv_connector_extra_config[{key!r}] must be an integer >= 0 bytes")
+    return value
+
+
+def _positive_float(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise SettingsError(f"kv_connector_extra_config[{key!r}] must be a number > 0")
+    return float(value)

@@ -1,0 +1,123 @@
+"""SessionControl and the registry: lifecycle, tenants, TTL, copy, delete (files gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from server.kv.control import (
+    InvalidSessionId,
+    SessionControl,
+    SessionExists,
+    SessionNotFound,
+    validate_session_id,
+)
+from server.kv.registry import Registry
+from server.kv.tiers.disk import DiskStore, Manifest
+
+MANIFEST = Manifest(
+    model_id="m",
+    dtype="torch.float32",
+    block_size=4,
+    layers=("l0",),
+    layer_block_bytes=(16,),
+    hash_scheme="sha256:00",
+)
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> SessionControl:
+    c = SessionControl(tmp_path)
+    yield c
+    c.close()
+
+
+def _keys(*names: str) -> list[str]:
+    return [f"{n:0>16}" for n in names]
+
+
+def test_session_id_syntax() -> None:
+    assert validate_session_id("thread-1:ns|a@b") == "thread-1:ns|a@b"
+    for bad in ["", "-x", "a/b", "../etc", "x" * 256, "a b"]:
+        with pytest.raises(InvalidSessionId):
+            validate_session_id(bad)
+
+
+def test_create_get_update_list(control: SessionControl) -> None:
+    info = control.create("s1", "t1", ttl_seconds=60, pinned=True)
+    assert (info.id, info.tenant, info.pinned, info.ttl_seconds) == ("s1", "t1", True, 60)
+    assert info.expires_at == pytest.approx(info.last_used_at + 60)
+    with pytest.raises(SessionExists):
+        control.create("s1", "t1")
+    with pytest.raises(SessionNotFound):
+        control.get("s1", "other-tenant")
+    info = control.update("s1", "t1", ttl_seconds=None, pinned=False)
+    assert (info.pinned, info.ttl_seconds, info.expires_at) == (False, None, None)
+    control.create("s2", "t1")
+    assert [s.id for s in control.list("t1")] == ["s2", "s1"]
+    assert control.list("t2") == []
+    body = control.get("s1", "t1").to_dict()
+    assert body["object"] == "session" and set(body["tiers"]) == {"ram", "disk", "redis"}
+
+
+def test_turns_gaps_and_block_tiers(control: SessionControl, tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "sessions.sqlite3")
+    reg.record_turn("t", "s", _keys("a", "b"), 300, default_ttl_s=None, now=100.0)
+    reg.record_turn("t", "s", _keys("a", "b", "c"), 400, default_ttl_s=None, now=110.0)
+    reg.record_turn("t", "s", _keys("a", "b", "c"), 420, default_ttl_s=None, now=130.0)
+    row = reg.get_session("t", "s")
+    assert row is not None and (row.turns, row.num_tokens, row.num_blocks) == (3, 420, 3)
+    assert (row.gap_count, row.gap_mean) == (2, pytest.approx(15.0))
+    reg.set_block_tiers({_keys("a")[0]: (True, True, 10), _keys("b")[0]: (False, True, 10)})
+    info = control.get("s", "t")
+    assert (info.tiers["ram"].blocks, info.tiers["disk"].blocks, info.tiers["disk"].bytes) == (
+        1,
+        2,
+        20,
+    )
+    reg.close()
+
+
+def test_copy_and_delete_keep_shared_blocks(control: SessionControl, tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "blocks", MANIFEST)
+    keys = _keys("a", "b", "c")
+    for k in keys:
+        store.write(k, memoryview(bytes(16)))
+    reg = control.registry
+    reg.record_turn("t", "src", keys[:2], 8, default_ttl_s=None)
+    forked = control.copy("src", "dst", "t")
+    assert forked.num_blocks == 2
+    with pytest.raises(SessionExists):
+        control.copy("src", "dst", "t")
+    with pytest.raises(SessionNotFound):
+        control.copy("nope", "x", "t")
+    reg.record_turn("t", "dst", keys, 12, default_ttl_s=None)
+    assert control.delete("src", "t") == 0  # both blocks still used by dst
+    assert all(store.path(k).exists() for k in keys)
+    assert control.delete("dst", "t") == 3
+    assert not any(store.path(k).exists() for k in keys)
+    seq, dropped = reg.drops_after(0)
+    assert sorted(dropped) == sorted(keys) and seq == reg.last_drop_seq()
+    with pytest.raises(SessionNotFound):
+        control.delete("dst", "t")
+
+
+def test_ttl_expiry_drops_session(control: SessionControl) -> None:
+    control.registry.record_turn("t", "old", _keys("a"), 4, default_ttl_s=0.05)
+    time.sleep(0.1)
+    with pytest.raises(SessionNotFound):
+        control.get("old", "t")
+    assert control.registry.drops_after(0)[1] == _keys("a")
+
+
+def test_prefetch_without_engine_and_metrics(control: SessionControl) -> None:
+    control.registry.record_turn("t", "s", _keys("a", "b"), 8, default_ttl_s=None)
+    assert asyncio.run(control.prefetch("s", "t")) == {"blocks": 2, "ram_blocks": 0}
+    control.registry.add_stats({"lgkv_saved_blocks_total": 2}, {'lgkv_tier_bytes{tier="ram"}': 5})
+    control.registry.add_stats({"lgkv_saved_blocks_total": 3}, {'lgkv_tier_bytes{tier="ram"}': 7})
+    m = control.metrics()
+    assert m["lgkv_saved_blocks_total"] == 5 and m['lgkv_tier_bytes{tier="ram"}'] == 7
+    assert m["lgkv_sessions"] == 1 and m['lgkv_hit_blocks_total{tier="disk"}'] == 0
