@@ -1,0 +1,127 @@
+"""The FastAPI application: vLLM's own OpenAI app plus the session API and request rewrite.
+
+:func:`create_app` builds vLLM's app (``vllm.entrypoints.launchers.app.build_app``: chat
+templates, streaming, tool calls, ``/v1/models``, ``/health``, ``/metrics``...) from the
+namespace of :func:`server.engine.build_vllm_args`, adds
+
+* :class:`server.api.chat.SessionRequestMiddleware` (body cap, session/tenant rewrite),
+* the session API router (:mod:`server.api.sessions`),
+* our KV metrics on ``/metrics``,
+
+and wraps vLLM's lifespan with one that starts the engine, runs vLLM's ``init_app_state`` and
+opens :class:`server.kv.control.SessionControl`. Nothing heavy happens before the lifespan
+starts, so the app also runs in-process (``httpx.ASGITransport`` inside
+``app.router.lifespan_context(app)``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from fastapi import FastAPI
+
+from server.api.chat import SessionRequestMiddleware
+from server.api.metrics import SessionMetricsCollector
+from server.api.protocol import APIError, api_error_handler
+from server.api.sessions import router as sessions_router
+from server.config import ServerConfig
+from server.engine import build_vllm_args, start_engine
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TASK = "generate"
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model cannot generate text (e.g. an embedding model)."""
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Build the server app for ``config``; the engine starts with the app's lifespan.
+
+    Raises:
+        server.config.ConfigError: a setting or a pass-through vLLM flag is invalid, or the
+            model folder is missing (with the command that builds it).
+    """
+    from vllm.entrypoints.launchers.app import build_app
+
+    args = build_vllm_args(config)
+    app = build_app(args, supported_tasks=(SUPPORTED_TASK,), model_config=None)
+    app.state.lgkv_config = config
+    app.state.session_control = None
+    app.include_router(sessions_router)
+    app.add_exception_handler(APIError, api_error_handler)
+    # vLLM's SageMaker bootstrap builds the middleware stack early; nothing has been served
+    # yet, so drop it and let Starlette rebuild it with our middleware outermost.
+    app.middleware_stack = None
+    app.add_middleware(
+        SessionRequestMiddleware, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys
+    )
+    vllm_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with start_engine(args) as engine:
+            tasks = await engine.get_supported_tasks()
+            if SUPPORTED_TASK not in tasks:
+                raise UnsupportedModelError(
+                    f"{args.model} supports {tasks}, not text generation; serve a chat model"
+                )
+            await _init_vllm_state(engine, app, args, tasks)
+            control = _open_control(config, engine)
+            app.state.lgkv_config = config
+            app.state.session_control = control
+            collector = _register_metrics(control)
+            try:
+                async with vllm_lifespan(app):
+                    yield
+            finally:
+                _unregister_metrics(collector)
+                if control is not None:
+                    control.close()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+async def _init_vllm_state(engine: Any, app: FastAPI, args: Any, tasks: tuple[str, ...]) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+    await init_app_state(engine, app.state, args, tasks)
+
+
+def _open_control(config: ServerConfig, engine: Any) -> Any:
+    if not config.kv_offload:
+        log.info("KV offload is off (--no-kv-offload): the session API answers 503")
+        return None
+    from server.kv.control import SessionControl
+
+    config.cache_dir.mkdir(parents=True, exist_ok=True)
+    return SessionControl(
+        config.cache_dir,
+        disk_dir=config.disk_dir,
+        default_ttl_s=config.kv_session_ttl,
+        engine_client=engine,
+    )
+
+
+def _register_metrics(control: Any) -> SessionMetricsCollector | None:
+    if control is None:
+        return None
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    collector = SessionMetricsCollector(control.metrics)
+    get_prometheus_registry().register(collector)
+    return collector
+
+
+def _unregister_metrics(collector: SessionMetricsCollector | None) -> None:
+    if collector is None:
+        return
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    with suppress(KeyError):
+        get_prometheus_registry().unregister(collector)

@@ -1,0 +1,163 @@
+"""Turn a :class:`~server.config.ServerConfig` into vLLM's own arguments and engine client.
+
+vLLM's OpenAI frontend (routes, chat templates, streaming, tool parsers) reads an
+``argparse.Namespace`` built by its parser; :func:`build_vllm_args` produces exactly that
+namespace from our typed config plus the pass-through flags, with our defaults (prompt token
+details on, prefix caching on, auto tool choice with the hermes parser, the session connector).
+:func:`start_engine` is vLLM's own ``AsyncLLM`` factory; with ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
+(vLLM's default) the engine core runs in a child process.
+
+vLLM is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from server.config import ConfigError, ServerConfig
+
+if TYPE_CHECKING:
+    from vllm.engine.protocol import EngineClient
+
+CONNECTOR_NAME = "SessionKVConnector"
+CONNECTOR_MODULE = "server.kv.connector"
+
+
+class ModelNotFoundError(ConfigError):
+    """The model folder to serve does not exist; the message says how to build it."""
+
+
+def resolve_model(config: ServerConfig) -> tuple[str, str]:
+    """The model to load and the name clients use for it.
+
+    Raises:
+        ModelNotFoundError: no ``--model`` was given and the default folder is not built.
+    """
+    from server.model import DEFAULT_MODEL_NAME, default_model_dir
+
+    if config.model is None:
+        folder = default_model_dir()
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"The default model folder {folder} is missing. Build it with `make setup` or "
+                "`python -m server.model`, or pass --model / LGKV_MODEL."
+            )
+        return str(folder), config.served_model_name or DEFAULT_MODEL_NAME
+    path = Path(config.model).expanduser()
+    looks_local = config.model.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not (path / "config.json").is_file() and not path.is_file():
+        raise ModelNotFoundError(
+            f"--model {config.model!r}: no model there (expected a folder with config.json)."
+        )
+    model = str(path) if looks_local else config.model
+    return model, config.served_model_name or model
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` dict of contracts.md section 2."""
+    return {
+        "cache_dir": str(config.cache_dir),
+        "disk_dir": str(config.disk_dir),
+        "ram_bytes": config.kv_ram_bytes,
+        "disk_bytes": config.kv_disk_bytes,
+        "redis_url": config.kv_redis_url,
+        "default_ttl_s": config.kv_session_ttl,
+        "model_id": model_id,
+    }
+
+
+def vllm_argv(config: ServerConfig) -> list[str]:
+    """The vLLM command line equivalent to ``config`` (our defaults first, pass-through last)."""
+    model, served_name = resolve_model(config)
+    on_cpu = _on_cpu()
+    dtype = "float32" if config.dtype == "auto" and on_cpu else config.dtype
+    argv = [
+        "--model", model,
+        "--served-model-name", served_name,
+        "--dtype", dtype,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching",
+    ]  # fmt: skip
+    if config.max_model_len is not None:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    if config.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes)]
+    enforce_eager = on_cpu if config.enforce_eager is None else config.enforce_eager
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    if config.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if config.api_keys:
+        argv += ["--api-key", *config.api_keys]
+    if config.kv_offload:
+        if any(a.split("=")[0] in ("--kv-transfer-config", "--kv_transfer_config")
+               for a in config.vllm_args):  # fmt: skip
+            raise ConfigError(
+                "--kv-transfer-config conflicts with the session KV connector; "
+                "add --no-kv-offload to run your own connector."
+            )
+        ktc = {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": connector_extra_config(config, served_name),
+        }
+        argv += ["--kv-transfer-config", json.dumps(ktc)]
+    return argv + list(config.vllm_args)
+
+
+def vllm_parser() -> argparse.ArgumentParser:
+    """vLLM's own ``vllm serve`` parser (every engine and frontend flag)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="langgraph-kvcache serve"))
+
+
+def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
+    """vLLM's serve namespace for ``config``, validated like ``vllm serve`` does.
+
+    Raises:
+        ConfigError: a pass-through flag is unknown or invalid, or the model is missing.
+    """
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import validate_api_server_args
+
+    argv = vllm_argv(config)
+    parser = vllm_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed what is wrong
+        raise ConfigError(f"invalid vLLM arguments: {' '.join(config.vllm_args)}") from exc
+    validate_parsed_serve_args(args)
+    try:
+        validate_api_server_args(args)
+    except KeyError as exc:
+        raise ConfigError(str(exc)) from exc
+    return args
+
+
+@asynccontextmanager
+async def start_engine(args: argparse.Namespace) -> AsyncIterator[EngineClient]:
+    """vLLM's ``AsyncLLM`` for ``args``; shut down when the block exits."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.entry import (
+        build_async_engine_client_from_engine_args,
+    )
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    async with build_async_engine_client_from_engine_args(engine_args) as engine:
+        yield engine
