@@ -1,0 +1,238 @@
+"""``SQLAlchemySaver``: the LangGraph checkpointer on a synchronous SQLAlchemy ``Engine``.
+
+Drop-in for ``SqliteSaver`` / ``PostgresSaver``::
+
+    with SQLAlchemySaver.from_conn_string("sqlite:///checkpoints.db") as saver:
+        saver.setup()
+        graph = builder.compile(checkpointer=saver)
+
+The async methods (``aget_tuple``, ``aput``, ...) run the sync ones in a worker thread, so the
+saver also works with ``graph.ainvoke``; on an event loop prefer :class:`AsyncSQLAlchemySaver`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import StaticPool
+
+from langgraph_kvcache.checkpoint.base import BaseSQLAlchemySaver, Op, check_prune_args
+from langgraph_kvcache.checkpoint.engine import (
+    WRITE_OPTION,
+    engine_kwargs,
+    normalize_url,
+    prepare_engine,
+)
+from langgraph_kvcache.errors import UnsupportedDatabaseError
+
+T = TypeVar("T")
+
+
+def run_op(conn: Connection, op: Op[T]) -> T:
+    """Run an operation's statements on ``conn``; returns the operation's result."""
+    try:
+        stmt = next(op)
+        while True:
+            result = conn.execute(stmt.statement, stmt.params)
+            stmt = op.send(list(result.mappings()) if stmt.fetch else [])
+    except StopIteration as stop:
+        return stop.value
+
+
+class SQLAlchemySaver(BaseSQLAlchemySaver):
+    """Checkpointer storing LangGraph checkpoints through a sync SQLAlchemy ``Engine``.
+
+    Works on SQLite (file or ``:memory:``) and PostgreSQL (psycopg 3). Call :meth:`setup` once
+    before first use (it is idempotent and safe to call from several processes).
+
+    Args:
+        engine: The engine. On SQLite the saver installs connect/begin listeners on it (WAL,
+            busy timeout, ``BEGIN IMMEDIATE`` for writes); create it with ``StaticPool`` for
+            ``:memory:`` (``from_conn_string`` does all of this for you).
+        serde: Serializer for checkpoints, channel values and writes; defaults to
+            ``JsonPlusSerializer``. ``EncryptedSerializer`` works too.
+    """
+
+    def __init__(self, engine: Engine, *, serde: SerializerProtocol | None = None) -> None:
+        super().__init__(serde=serde)
+        if engine.dialect.name not in ("sqlite", "postgresql"):
+            raise UnsupportedDatabaseError(
+                f"SQLAlchemySaver supports SQLite and PostgreSQL, not {engine.dialect.name!r}"
+            )
+        prepare_engine(engine)
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        # One shared connection (``:memory:``) must not run two transactions at once.
+        self._lock: AbstractContextManager[Any] = (
+            threading.Lock() if isinstance(engine.pool, StaticPool) else nullcontext()
+        )
+
+    @classmethod
+    @contextmanager
+    def from_conn_string(
+        cls, url: str | URL, *, serde: SerializerProtocol | None = None, **kwargs: Any
+    ) -> Iterator[SQLAlchemySaver]:
+        """Create a saver on a new engine for ``url``, disposed of on exit.
+
+        ``url`` may be a plain ``sqlite:///path.db``, ``sqlite:///:memory:`` or
+        ``postgresql://...`` URL; the driver is chosen for you. ``kwargs`` go to
+        ``sqlalchemy.create_engine``.
+        """
+        parsed = normalize_url(url, asynchronous=False)
+        engine = create_engine(parsed, **{**engine_kwargs(parsed), **kwargs})
+        try:
+            yield cls(engine, serde=serde)
+        finally:
+            engine.dispose()
+
+    def _run(self, op: Op[T], *, write: bool = False) -> T:
+        with self._lock, self.engine.connect() as conn:
+            if write:
+                conn.execution_options(**{WRITE_OPTION: True})
+            elif self.dialect == "postgresql":
+                # Reads need no transaction: saves no BEGIN/ROLLBACK round trips.
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            with conn.begin():
+                return run_op(conn, op)
+
+    def setup(self) -> None:
+        """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
+        self._run(self._op_setup(), write=True)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
+        found = self._run(self._op_get_tuple(config))
+        self._after_get_tuple(config, found)
+        return found
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        """Checkpoints newest first, by thread/namespace, metadata filter, ``before``, ``limit``."""
+        yield from self._run(self._op_list(config, filter, before, limit))
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Save a checkpoint and the channel values whose version is new; one transaction."""
+        return self._run(self._op_put(config, checkpoint, metadata, new_versions), write=True)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Save a task's pending writes against the checkpoint in ``config``."""
+        self._run(self._op_put_writes(config, writes, task_id, task_path), write=True)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
+        self._run(self._op_delete_threads([str(thread_id)]), write=True)
+        self._after_delete_threads([str(thread_id)])
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
+        source, target = str(source_thread_id), str(target_thread_id)
+        self._run(self._op_copy_thread(source, target), write=True)
+        self._after_copy_thread(source, target)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """``"keep_latest"``: keep each namespace's latest checkpoint; ``"delete"``: drop all.
+
+        ``keep_latest`` refuses (``NotImplementedError``) threads that use a ``DeltaChannel``,
+        like the PostgreSQL saver, since their latest value is rebuilt from older checkpoints.
+        """
+        ids = check_prune_args(thread_ids, strategy)
+        if not ids:
+            return
+        self._run(self._op_prune(ids, strategy), write=True)
+        if strategy == "delete":
+            self._after_delete_threads(ids)
+        self._after_prune(ids, strategy)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
+        if not run_ids:
+            return
+        threads = self._run(self._op_delete_for_runs(run_ids), write=True)
+        self._after_delete_for_runs(list(run_ids), threads)
+
+    # -- async interface: the sync methods in a worker thread ------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Async :meth:`get_tuple` (runs in a worker thread)."""
+        return await asyncio.to_thread(self.get_tuple, config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        """Async :meth:`list` (runs in a worker thread)."""
+        op = self._op_list(config, filter, before, limit)
+        for item in await asyncio.to_thread(self._run, op):
+            yield item
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Async :meth:`put` (runs in a worker thread)."""
+        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Async :meth:`put_writes` (runs in a worker thread)."""
+        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Async :meth:`delete_thread` (runs in a worker thread)."""
+        await asyncio.to_thread(self.delete_thread, thread_id)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Async :meth:`copy_thread` (runs in a worker thread)."""
+        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Async :meth:`prune` (runs in a worker thread)."""
+        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Async :meth:`delete_for_runs` (runs in a worker thread)."""
+        await asyncio.to_thread(self.delete_for_runs, run_ids)
