@@ -1,0 +1,257 @@
+"""ChatKVCache against a real local HTTP peer: which session each request names, and usage."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, AnyMessage, HumanMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import add_messages
+from pydantic import BaseModel
+
+from langgraph_kvcache import ChatKVCache, session_id_for
+
+
+@pytest.fixture
+def model(recorder: Any) -> ChatKVCache:
+    # Async tests share the session's event loop: langchain-openai caches one async HTTP client
+    # per process, and a client cannot outlive the loop it first ran on.
+    return ChatKVCache(base_url=f"{recorder.url}/v1", max_retries=0)
+
+
+def sent_sessions(recorder: Any) -> list[str | None]:
+    return [body.get("prompt_cache_key") for body in recorder.chat_bodies()]
+
+
+# ----------------------------------------------------------------------------- defaults
+def test_defaults_point_at_the_bundled_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("LGKV_SERVER_URL", "LGKV_API_KEY", "OPENAI_API_KEY", "OPENAI_API_BASE"):
+        monkeypatch.delenv(var, raising=False)
+    model = ChatKVCache()
+    assert model.openai_api_base == "http://127.0.0.1:8000/v1"
+    assert model.openai_api_key is not None
+    assert model.openai_api_key.get_secret_value() == "EMPTY"
+    assert model.model_name == "SmolLM2-135M-Instruct"
+    assert model.temperature == 0.0
+    assert model.stream_usage is True
+    assert model.session_id is None
+
+
+def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LGKV_SERVER_URL", "http://gpu-box:9000/")
+    monkeypatch.setenv("LGKV_API_KEY", "sk-local")
+    monkeypatch.setenv("OPENAI_API_BASE", "https://api.openai.com/v1")  # must not win
+    model = ChatKVCache()
+    assert model.openai_api_base == "http://gpu-box:9000/v1"
+    assert model.openai_api_key is not None
+    assert model.openai_api_key.get_secret_value() == "sk-local"
+
+
+def test_bad_explicit_session_id_is_refused_early(recorder: Any) -> None:
+    with pytest.raises(ValueError, match="session_id_for"):
+        ChatKVCache(base_url=f"{recorder.url}/v1", session_id="has space")
+    model = ChatKVCache(base_url=f"{recorder.url}/v1")
+    with pytest.raises(ValueError, match="Invalid session id"):
+        model.invoke("hi", session_id="a/b")
+    assert recorder.chat_bodies() == []
+
+
+# ----------------------------------------------------------------------------- session choice
+def test_no_thread_no_session(recorder: Any, model: ChatKVCache) -> None:
+    model.invoke("hello")
+    assert sent_sessions(recorder) == [None]
+
+
+def test_thread_id_in_the_invoke_config(recorder: Any, model: ChatKVCache) -> None:
+    reply = model.invoke("hello", config={"configurable": {"thread_id": "thread-7"}})
+    assert reply.content == "Hello from the recording server."
+    body = recorder.chat_bodies()[0]
+    assert body["prompt_cache_key"] == "thread-7"
+    assert body["model"] == "SmolLM2-135M-Instruct"
+    assert body["temperature"] == 0.0
+    assert "session_id" not in body
+
+
+def test_explicit_session_beats_the_thread(recorder: Any) -> None:
+    cfg = {"configurable": {"thread_id": "thread-7"}}
+    fixed = ChatKVCache(base_url=f"{recorder.url}/v1", session_id="fixed", max_retries=0)
+    fixed.invoke("a", config=cfg)
+    fixed.invoke("b", config=cfg, session_id="per-call")
+    fixed.bind(session_id="bound").invoke("c", config=cfg)
+    fixed.invoke("d", config=cfg, prompt_cache_key="raw-key")
+    assert sent_sessions(recorder) == ["fixed", "per-call", "bound", "raw-key"]
+
+
+def test_odd_thread_ids_are_mapped(recorder: Any, model: ChatKVCache) -> None:
+    model.invoke("x", config={"configurable": {"thread_id": "user 1/chat"}})
+    assert sent_sessions(recorder) == [session_id_for("user 1/chat")]
+
+
+def test_batch_keeps_each_inputs_thread(recorder: Any, model: ChatKVCache) -> None:
+    configs = [{"configurable": {"thread_id": f"t{i}"}} for i in range(3)]
+    model.batch(["a", "b", "c"], config=configs)
+    assert sorted(s or "" for s in sent_sessions(recorder)) == ["t0", "t1", "t2"]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_async_invoke_and_batch(recorder: Any, model: ChatKVCache) -> None:
+    await model.ainvoke("a", config={"configurable": {"thread_id": "async-1"}})
+    await model.abatch(["b"], config={"configurable": {"thread_id": "async-2"}})
+    assert sent_sessions(recorder) == ["async-1", "async-2"]
+
+
+def test_generate_inside_a_runnable_context_uses_its_thread(
+    recorder: Any, model: ChatKVCache
+) -> None:
+    from langchain_core.runnables import RunnableLambda
+
+    def call(messages: list[AnyMessage]) -> str:
+        # generate() bypasses invoke(); the session comes from the running config
+        return model.generate([messages]).generations[0][0].text
+
+    RunnableLambda(call).invoke([HumanMessage("hi")], config={"configurable": {"thread_id": "ctx"}})
+    assert sent_sessions(recorder) == ["ctx"]
+
+
+# ----------------------------------------------------------------------------- LangGraph
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def _chat_graph(model: ChatKVCache) -> Any:
+    def agent(state: State) -> dict[str, Any]:
+        return {"messages": [model.invoke(state["messages"])]}
+
+    inner = StateGraph(State)
+    inner.add_node("summarize", agent)
+    inner.add_edge(START, "summarize")
+
+    outer = StateGraph(State)
+    outer.add_node("agent", agent)
+    outer.add_node("research", inner.compile())
+    outer.add_edge(START, "agent")
+    outer.add_edge("agent", "research")
+    return outer.compile(checkpointer=InMemorySaver())
+
+
+def test_graph_node_and_subgraph_sessions(recorder: Any, model: ChatKVCache) -> None:
+    graph = _chat_graph(model)
+    cfg = {"configurable": {"thread_id": "conv-1"}}
+    graph.invoke({"messages": [HumanMessage("first")]}, cfg)
+    graph.invoke({"messages": [HumanMessage("second")]}, cfg)
+    # root node -> the thread's session; subgraph node -> one stable session per subgraph
+    assert sent_sessions(recorder) == ["conv-1", "conv-1|research", "conv-1", "conv-1|research"]
+    # the session's history grows turn by turn (what makes its KV reusable)
+    root_bodies = [b for b in recorder.chat_bodies() if b["prompt_cache_key"] == "conv-1"]
+    first, second = (b["messages"] for b in root_bodies)
+    assert second[: len(first)] == first
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_graph_async_streaming_node(recorder: Any, model: ChatKVCache) -> None:
+    async def agent(state: State) -> dict[str, Any]:
+        chunks = [c async for c in model.astream(state["messages"])]
+        message = chunks[0]
+        for c in chunks[1:]:
+            message = message + c
+        return {"messages": [message]}
+
+    builder = StateGraph(State)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    recorder.queue_chat(content="streamed words here", prompt_tokens=300, cached_tokens=256)
+    out = await graph.ainvoke(
+        {"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": "s1"}}
+    )
+    assert sent_sessions(recorder) == ["s1"]
+    assert recorder.chat_bodies()[0]["stream"] is True
+    final = out["messages"][-1]
+    assert final.content == "streamed words here"
+    assert final.usage_metadata["input_token_details"]["cache_read"] == 256
+
+
+# ----------------------------------------------------------------------------- usage, streaming
+def test_invoke_reports_cached_prompt_tokens(recorder: Any, model: ChatKVCache) -> None:
+    recorder.queue_chat(prompt_tokens=400, cached_tokens=384, completion_tokens=7)
+    reply = model.invoke("hi", session_id="u1")
+    assert reply.usage_metadata is not None
+    assert reply.usage_metadata["input_tokens"] == 400
+    assert reply.usage_metadata["output_tokens"] == 7
+    assert reply.usage_metadata["input_token_details"]["cache_read"] == 384
+
+
+def test_stream_sends_session_and_reports_usage(recorder: Any, model: ChatKVCache) -> None:
+    recorder.queue_chat(content="one two three", prompt_tokens=200, cached_tokens=128)
+    chunks = list(model.stream("hi", config={"configurable": {"thread_id": "st"}}))
+    assert len(chunks) > 3
+    body = recorder.chat_bodies()[0]
+    assert body["prompt_cache_key"] == "st"
+    assert body["stream_options"] == {"include_usage": True}
+    total: AIMessageChunk = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    assert total.content == "one two three"
+    assert total.usage_metadata is not None
+    assert total.usage_metadata["input_token_details"]["cache_read"] == 128
+
+
+# ----------------------------------------------------------------------------- tools, structure
+class Answer(BaseModel):
+    """The answer to a question."""
+
+    answer: str
+
+
+def test_bind_tools_round_trip(recorder: Any, model: ChatKVCache) -> None:
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+    }
+    recorder.queue_chat(content="", tool_calls=[call])
+    recorder.queue_chat(content="", tool_calls=[call])
+    bound = model.bind_tools([add], tool_choice="any")
+    cfg = {"configurable": {"thread_id": "tools"}}
+    reply = bound.invoke("what is 2+3?", config=cfg)
+    streamed = list(bound.stream("what is 2+3?", config=cfg))
+    assert isinstance(reply, AIMessage)
+    assert reply.tool_calls[0]["name"] == "add"
+    assert reply.tool_calls[0]["args"] == {"a": 2, "b": 3}
+    merged = streamed[0]
+    for c in streamed[1:]:
+        merged = merged + c
+    assert merged.tool_calls[0]["args"] == {"a": 2, "b": 3}
+    bodies = recorder.chat_bodies()
+    assert [b["prompt_cache_key"] for b in bodies] == ["tools", "tools"]
+    assert bodies[0]["tools"][0]["function"]["name"] == "add"
+    assert bodies[0]["tool_choice"] == "required"
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_with_structured_output(recorder: Any, model: ChatKVCache, method: str) -> None:
+    if method == "function_calling":
+        args = json.dumps({"answer": "4"})
+        call = {"id": "c1", "type": "function", "function": {"name": "Answer", "arguments": args}}
+        recorder.queue_chat(content="", tool_calls=[call])
+    else:
+        recorder.queue_chat(content='{"answer": "4"}')
+    structured = model.with_structured_output(Answer, method=method)
+    result = structured.invoke("2+2? answer in JSON", config={"configurable": {"thread_id": "so"}})
+    assert result == Answer(answer="4")
+    assert sent_sessions(recorder) == ["so"]
+
+
+def test_structured_output_streaming_keeps_the_session(recorder: Any, model: ChatKVCache) -> None:
+    recorder.queue_chat(content='{"answer": "4"}')
+    structured = model.with_structured_output(Answer, method="json_schema")
+    parts = list(structured.stream("2+2?", config={"configurable": {"thread_id": "so-stream"}}))
+    assert parts[-1] == Answer(answer="4")
+    assert sent_sessions(recorder) == ["so-stream"]
