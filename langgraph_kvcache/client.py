@@ -1,0 +1,451 @@
+"""A small httpx client (sync and async) for the server's session API (contracts.md, section 4).
+
+```python
+with KVCacheClient("http://127.0.0.1:8000") as kv:
+    kv.pin("thread-1")
+    print(kv.get_session("thread-1").tiers["disk"].bytes)
+```
+
+Errors form one hierarchy under :class:`KVCacheClientError`:
+
+- :class:`SessionNotFoundError` (HTTP 404), :class:`SessionExistsError` (HTTP 409) and every other
+  error answer (:class:`SessionAPIError`, carrying the server's message and status code);
+- :class:`ServerUnavailableError`: the server could not be reached, timed out, or answered
+  502/503/504.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final
+from urllib.parse import quote
+
+import httpx
+
+from langgraph_kvcache.errors import KVCacheError
+from langgraph_kvcache.sessions import validate_session_id
+
+__all__ = [
+    "UNSET",
+    "AsyncKVCacheClient",
+    "KVCacheClient",
+    "KVCacheClientError",
+    "PrefetchResult",
+    "ServerUnavailableError",
+    "Session",
+    "SessionAPIError",
+    "SessionExistsError",
+    "SessionNotFoundError",
+    "TierUsage",
+]
+
+DEFAULT_SERVER_URL: Final = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT_S: Final = 30.0
+
+
+class _Unset:
+    """Type of :data:`UNSET`: "leave this field as it is" (see ``update_session``)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+
+
+# ----------------------------------------------------------------------------- errors
+class KVCacheClientError(KVCacheError):
+    """Base of every error raised by :class:`KVCacheClient` and :class:`AsyncKVCacheClient`."""
+
+
+class SessionAPIError(KVCacheClientError):
+    """The server answered the request with an error (HTTP 4xx/5xx).
+
+    ``status_code`` is the HTTP status, ``message`` the server's own explanation and
+    ``error_type`` the server's error type (``""`` when the body had none).
+    """
+
+    def __init__(self, message: str, *, status_code: int, error_type: str = "") -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.message = message
+        self.status_code = status_code
+        self.error_type = error_type
+
+
+class SessionNotFoundError(SessionAPIError):
+    """HTTP 404: no such session for this tenant (check the id and the API key)."""
+
+
+class SessionExistsError(SessionAPIError):
+    """HTTP 409: the session already exists (pick another id, or pass ``overwrite=True``)."""
+
+
+class ServerUnavailableError(KVCacheClientError, ConnectionError):
+    """The server could not be reached, timed out, or answered 502/503/504."""
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class TierUsage:
+    """How much of a session lives in one storage tier."""
+
+    blocks: int
+    """Number of the session's KV blocks held by the tier."""
+    bytes: int
+    """Bytes those blocks take in the tier."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """A server session: the KV cache of one conversation (one LangGraph thread or subgraph)."""
+
+    id: str
+    """Session id (see :func:`langgraph_kvcache.session_id_for`)."""
+    tenant: str
+    """Tenant owning the session (derived by the server from the API key)."""
+    num_tokens: int
+    """Tokens of the conversation prefix whose KV the session holds."""
+    num_blocks: int
+    """KV blocks the session references."""
+    turns: int
+    """Requests that have named this session."""
+    created_at: float
+    """Creation time, unix seconds."""
+    last_used_at: float
+    """Time of the last request or API call that used the session, unix seconds."""
+    pinned: bool
+    """Pinned sessions are never evicted and never expire."""
+    ttl_seconds: float | None
+    """Idle time after which the session expires; ``None``: never."""
+    expires_at: float | None
+    """When the session expires if unused, unix seconds; ``None``: never."""
+    tiers: dict[str, TierUsage] = field(default_factory=dict)
+    """Usage per tier, keyed ``"ram"``, ``"disk"``, ``"redis"``."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Session:
+        """Parse the server's Session JSON; raises :class:`SessionAPIError` if it is malformed."""
+        try:
+            return cls(
+                id=str(data["id"]),
+                tenant=str(data["tenant"]),
+                num_tokens=int(data["num_tokens"]),
+                num_blocks=int(data["num_blocks"]),
+                turns=int(data["turns"]),
+                created_at=float(data["created_at"]),
+                last_used_at=float(data["last_used_at"]),
+                pinned=bool(data["pinned"]),
+                ttl_seconds=_opt_float(data.get("ttl_seconds")),
+                expires_at=_opt_float(data.get("expires_at")),
+                tiers={
+                    str(name): TierUsage(blocks=int(u["blocks"]), bytes=int(u["bytes"]))
+                    for name, u in (data.get("tiers") or {}).items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise _malformed("Session", data, exc) from exc
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """Answer of :meth:`KVCacheClient.prefetch`."""
+
+    id: str
+    """The session prefetched."""
+    blocks: int
+    """Blocks of the session."""
+    ram_blocks: int
+    """Blocks in RAM once the prefetch finished."""
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:
+    return SessionAPIError(
+        f"Malformed {what} in the server's answer ({exc!r}): {str(data)[:200]}. "
+        "Is the URL pointing at a langgraph-kvcache server of a matching version?",
+        status_code=200,
+        error_type="malformed_response",
+    )
+
+
+# ----------------------------------------------------------------------------- shared plumbing
+def _root_url(base_url: str | None) -> str:
+    """Server root from a URL that may end in ``/`` or ``/v1`` (default: ``$LGKV_SERVER_URL``)."""
+    url = (base_url or os.environ.get("LGKV_SERVER_URL") or DEFAULT_SERVER_URL).rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    key = api_key if api_key is not None else os.environ.get("LGKV_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _path(session_id: str, action: str = "") -> str:
+    sid = quote(validate_session_id(session_id), safe="")
+    return f"/v1/sessions/{sid}/{action}" if action else f"/v1/sessions/{sid}"
+
+
+def _update_body(ttl_seconds: float | _Unset | None, pinned: bool | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if not isinstance(ttl_seconds, _Unset):
+        body["ttl_seconds"] = ttl_seconds
+    if pinned is not None:
+        body["pinned"] = pinned
+    return body
+
+
+def _error_from(response: httpx.Response) -> KVCacheClientError:
+    status = response.status_code
+    message, error_type = response.text[:500] or response.reason_phrase, ""
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        err = payload.get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message") or message)
+            error_type = str(err.get("type") or "")
+        elif "detail" in payload:  # FastAPI's own validation errors
+            message = str(payload["detail"])
+    if status in (502, 503, 504):
+        return ServerUnavailableError(
+            f"{response.request.url} answered HTTP {status} ({message}); "
+            "the server is starting, overloaded or behind a failing proxy: retry later."
+        )
+    cls = {404: SessionNotFoundError, 409: SessionExistsError}.get(status, SessionAPIError)
+    return cls(message, status_code=status, error_type=error_type)
+
+
+def _unavailable(url: str, exc: httpx.HTTPError) -> ServerUnavailableError:
+    return ServerUnavailableError(
+        f"Cannot reach the langgraph-kvcache server at {url} ({type(exc).__name__}: {exc}). "
+        "Start it (`python -m server`) or set LGKV_SERVER_URL to where it runs."
+    )
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    if response.is_error:
+        raise _error_from(response)
+    try:
+        data = response.json()
+    except ValueError as exc:
+        raise _malformed("JSON", response.text, exc) from exc
+    if not isinstance(data, dict):
+        raise _malformed("JSON object", data, TypeError(type(data).__name__))
+    return data
+
+
+def _sessions(data: dict[str, Any]) -> list[Session]:
+    items = data.get("data")
+    if not isinstance(items, list):
+        raise _malformed("session list", data, KeyError("data"))
+    return [Session.from_dict(item) for item in items]
+
+
+def _freed(data: dict[str, Any]) -> int:
+    try:
+        return int(data["freed_blocks"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed("delete answer", data, exc) from exc
+
+
+def _prefetch(data: dict[str, Any]) -> PrefetchResult:
+    try:
+        return PrefetchResult(str(data["id"]), int(data["blocks"]), int(data["ram_blocks"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed("prefetch answer", data, exc) from exc
+
+
+# ----------------------------------------------------------------------------- clients
+class KVCacheClient:
+    """Synchronous client for the session API.
+
+    Args:
+        base_url: server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted);
+            default: env ``LGKV_SERVER_URL``, else ``http://127.0.0.1:8000``.
+        api_key: bearer key when the server runs with ``--api-key``; default: env
+            ``LGKV_API_KEY``. The key also selects the tenant whose sessions you see.
+        timeout: seconds per request (connect, read and write).
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.base_url = _root_url(base_url)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=_headers(api_key), timeout=timeout
+        )
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:  # connect errors, timeouts, protocol errors
+            raise _unavailable(self.base_url, exc) from exc
+        return _json(response)
+
+    def list_sessions(self, *, limit: int = 100, offset: int = 0) -> list[Session]:
+        """This tenant's sessions, at most ``limit`` of them starting at ``offset``."""
+        return _sessions(self._call("GET", f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"))
+
+    def get_session(self, session_id: str) -> Session:
+        """One session; raises :class:`SessionNotFoundError` if unknown."""
+        return Session.from_dict(self._call("GET", _path(session_id)))
+
+    def create_session(
+        self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
+    ) -> Session:
+        """Create an empty session; raises :class:`SessionExistsError` if it exists."""
+        body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
+        return Session.from_dict(self._call("POST", "/v1/sessions", body))
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        ttl_seconds: float | _Unset | None = UNSET,
+        pinned: bool | None = None,
+    ) -> Session:
+        """Change TTL (``None``: never expire) and/or pin state; omitted fields stay as they are."""
+        return Session.from_dict(
+            self._call("PATCH", _path(session_id), _update_body(ttl_seconds, pinned))
+        )
+
+    def delete_session(self, session_id: str) -> int:
+        """Delete a session and its KV (blocks no other session uses); returns blocks freed."""
+        return _freed(self._call("DELETE", _path(session_id)))
+
+    def pin(self, session_id: str) -> Session:
+        """Pin a session: it is never evicted nor expired until unpinned."""
+        return Session.from_dict(self._call("POST", _path(session_id, "pin")))
+
+    def unpin(self, session_id: str) -> Session:
+        """Unpin a session: it is evicted and expires like any other again."""
+        return Session.from_dict(self._call("POST", _path(session_id, "unpin")))
+
+    def prefetch(self, session_id: str) -> PrefetchResult:
+        """Load a session's KV from disk into RAM now, ahead of its next request."""
+        return _prefetch(self._call("POST", _path(session_id, "prefetch")))
+
+    def copy_session(self, source_id: str, target_id: str, *, overwrite: bool = False) -> Session:
+        """Fork ``source_id`` into ``target_id`` (blocks are shared, not copied); return the copy.
+
+        Raises :class:`SessionNotFoundError` if the source is unknown and
+        :class:`SessionExistsError` if the target exists and ``overwrite`` is false.
+        """
+        body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
+        return Session.from_dict(self._call("POST", _path(source_id, "copy"), body))
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncKVCacheClient:
+    """Asynchronous twin of :class:`KVCacheClient` (same arguments, methods and errors)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.base_url = _root_url(base_url)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=_headers(api_key), timeout=timeout
+        )
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        try:
+            response = await self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise _unavailable(self.base_url, exc) from exc
+        return _json(response)
+
+    async def list_sessions(self, *, limit: int = 100, offset: int = 0) -> list[Session]:
+        """See :meth:`KVCacheClient.list_sessions`."""
+        path = f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"
+        return _sessions(await self._call("GET", path))
+
+    async def get_session(self, session_id: str) -> Session:
+        """See :meth:`KVCacheClient.get_session`."""
+        return Session.from_dict(await self._call("GET", _path(session_id)))
+
+    async def create_session(
+        self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
+    ) -> Session:
+        """See :meth:`KVCacheClient.create_session`."""
+        body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
+        return Session.from_dict(await self._call("POST", "/v1/sessions", body))
+
+    async def update_session(
+        self,
+        session_id: str,
+        *,
+        ttl_seconds: float | _Unset | None = UNSET,
+        pinned: bool | None = None,
+    ) -> Session:
+        """See :meth:`KVCacheClient.update_session`."""
+        body = _update_body(ttl_seconds, pinned)
+        return Session.from_dict(await self._call("PATCH", _path(session_id), body))
+
+    async def delete_session(self, session_id: str) -> int:
+        """See :meth:`KVCacheClient.delete_session`."""
+        return _freed(await self._call("DELETE", _path(session_id)))
+
+    async def pin(self, session_id: str) -> Session:
+        """See :meth:`KVCacheClient.pin`."""
+        return Session.from_dict(await self._call("POST", _path(session_id, "pin")))
+
+    async def unpin(self, session_id: str) -> Session:
+        """See :meth:`KVCacheClient.unpin`."""
+        return Session.from_dict(await self._call("POST", _path(session_id, "unpin")))
+
+    async def prefetch(self, session_id: str) -> PrefetchResult:
+        """See :meth:`KVCacheClient.prefetch`."""
+        return _prefetch(await self._call("POST", _path(session_id, "prefetch")))
+
+    async def copy_session(
+        self, source_id: str, target_id: str, *, overwrite: bool = False
+    ) -> Session:
+        """See :meth:`KVCacheClient.copy_session`."""
+        body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
+        return Session.from_dict(await self._call("POST", _path(source_id, "copy"), body))
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncKVCacheClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
