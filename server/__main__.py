@@ -131,8 +131,12 @@ def serve(config: ServerConfig) -> None:
     app = create_app(config)
     log.info("serving on http://%s:%d (KV offload %s)", config.host, config.port,
              "on" if config.kv_offload else "off")  # fmt: skip
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", access_log=False,
-                timeout_keep_alive=5, lifespan="on")  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                       access_log=False, timeout_keep_alive=5, lifespan="on")
+    )  # fmt: skip
+    app.state.server = server  # vLLM's engine-error handler stops it when the engine dies
+    server.run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI
@@ -52,6 +53,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = build_app(args, supported_tasks=(SUPPORTED_TASK,), model_config=None)
     app.state.lgkv_config = config
     app.state.session_control = None
+    # vLLM's engine-error handler stops the HTTP server through ``app.state.server``;
+    # ``serve()`` puts the uvicorn server there, in-process use gets this stand-in.
+    app.state.server = SimpleNamespace(should_exit=False)
     app.include_router(sessions_router)
     app.add_exception_handler(APIError, api_error_handler)
     # vLLM's SageMaker bootstrap builds the middleware stack early; nothing has been served

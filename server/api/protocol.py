@@ -80,14 +80,14 @@ class SessionCreate(_Body):
     """``POST /v1/sessions``."""
 
     id: str
-    ttl_seconds: float | None = Field(default=None, ge=0)
+    ttl_seconds: float | None = Field(default=None, gt=0)
     pinned: bool = False
 
 
 class SessionUpdate(_Body):
     """``PATCH /v1/sessions/{id}``; absent fields stay as they are."""
 
-    ttl_seconds: float | None = Field(default=None, ge=0)
+    ttl_seconds: float | None = Field(default=None, gt=0)
     pinned: bool | None = None
 
 

@@ -64,6 +64,8 @@ async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise APIError(409, str(exc) or "the session exists") from exc
     except InvalidSessionId as exc:
         raise APIError(400, str(exc)) from exc
+    except ValueError as exc:  # the registry's own argument checks (e.g. a TTL <= 0)
+        raise APIError(400, str(exc)) from exc
 
 
 def _session(info: Any, status: int = 200) -> JSONResponse:

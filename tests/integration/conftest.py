@@ -1,0 +1,243 @@
+"""A real server for integration tests: ``python -m server`` as a subprocess on a free port.
+
+Fixtures (session-scoped: one server per test session, shared by every folder below):
+
+* ``lgkv_server`` -> :class:`ServerProcess`: the tiny random Llama behind the full server with
+  the session KV connector, its own cache folder, vLLM's engine core in a child process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``). ``.base_url``, ``.model`` (the served name),
+  ``.cache_dir``, ``.restart()`` (same port and cache folder: sessions must survive it),
+  ``.log_tail()``.
+* ``server_url`` -> ``str``: ``lgkv_server.base_url``.
+* ``start_server`` -> a factory for other configurations (``--no-kv-offload``, ``--api-key``,
+  SmolLM2...); servers it starts stop at the end of the session. Start few: each is a vLLM
+  engine (about 15 s and a few hundred MiB).
+
+``ServerProcess.restart()`` is for tests that check persistence; a test that restarts the shared
+server must leave it running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY_MODEL_NAME = "tiny-llama"
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 60.0
+
+# Small, fast engine settings for the 2-core test machine.
+TEST_ENGINE_ARGS: tuple[str, ...] = (
+    "--kv-cache-memory-bytes", "128MiB",
+    "--max-model-len", "2048",
+    "--max-num-seqs", "8",
+    "--enforce-eager",
+    "--distributed-executor-backend", "uni",
+    "--kv-ram-bytes", "256MiB",
+    "--kv-disk-bytes", "1GiB",
+)  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """One ``python -m server`` subprocess; start/stop/restart keep port and cache folder."""
+
+    model_dir: Path
+    model: str
+    cache_dir: Path
+    log_path: Path
+    args: Sequence[str] = ()
+    api_key: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>`` (append ``/v1`` for OpenAI clients)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The Authorization header when the server has an API key."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def command(self) -> list[str]:
+        """The command line this server runs."""
+        cmd = [sys.executable, "-m", "server", "serve", "--model", str(self.model_dir)]
+        cmd += ["--served-model-name", self.model, "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.args]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start the process and wait until ``/health`` answers 200."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **self.env}
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== start {' '.join(self.command())}\n".encode())
+            self.proc = subprocess.Popen(
+                self.command(), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM (clean shutdown of the app and engine), SIGKILL of its group if it hangs."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and its engine
+            return proc.wait(timeout=10)
+        finally:
+            _reap_group(proc.pid)
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and cache folder."""
+        self.stop()
+        self.start()
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of the server's log (stdout and stderr)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        """An httpx client on the base URL, with the API key when there is one."""
+        return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120.0, **kwargs)
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill what is left of the server's own process group (an orphaned engine core)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+ServerFactory = Callable[..., ServerProcess]
+
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM 0.32's CPU attention backend accepts (``CPUAttentionBackend``)."""
+
+
+def _head_dim(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tiny_model_dir: Path, smollm2_dir: Path) -> Path:
+    """The random tiny Llama the test servers load.
+
+    ``tiny_model_dir`` when vLLM's CPU attention takes its head size; else (a 16-wide head
+    is rejected at the first forward pass) the same recipe with 32-wide heads, built once
+    next to it from SmolLM2's tokenizer.
+    """
+    if _head_dim(tiny_model_dir) in CPU_ATTENTION_HEAD_SIZES:
+        return tiny_model_dir
+    out = tiny_model_dir.with_name(tiny_model_dir.name + "-hd32")
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True, torch_dtype="float32",
+    )  # fmt: skip
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if getattr(tok, "chat_template", None):
+        (tmp / "chat_template.jinja").write_text(tok.chat_template)
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory, server_model_dir: Path
+) -> Iterator[ServerFactory]:
+    """``start_server(*args, model_dir=None, model=None, api_key=None, env=None, cache_dir=None)``
+    starts a server (tiny model and :data:`TEST_ENGINE_ARGS` by default) and returns it."""
+    started: list[ServerProcess] = []
+
+    def start(
+        *args: str,
+        model_dir: Path | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        cache_dir: Path | None = None,
+        engine_args: Sequence[str] = TEST_ENGINE_ARGS,
+    ) -> ServerProcess:
+        root = tmp_path_factory.mktemp("server")
+        server = ServerProcess(
+            model_dir=model_dir or server_model_dir,
+            model=model or TINY_MODEL_NAME,
+            cache_dir=cache_dir or root / "cache",
+            log_path=root / "server.log",
+            args=[*engine_args, *args],
+            api_key=api_key,
+            env=dict(env or {}),
+        )
+        started.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def lgkv_server(start_server: ServerFactory) -> ServerProcess:
+    """The shared tiny-model server with the session KV connector (see the module doc)."""
+    return start_server()
+
+
+@pytest.fixture(scope="session")
+def server_url(lgkv_server: ServerProcess) -> str:
+    """Base URL of the shared server, e.g. ``http://127.0.0.1:43123``."""
+    return lgkv_server.base_url

@@ -1,0 +1,189 @@
+"""The session API (contracts.md 4) of a real server: happy paths, errors, tenants, restart."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import ServerFactory, ServerProcess
+
+pytestmark = pytest.mark.vllm
+
+SESSION_KEYS = {
+    "id", "object", "tenant", "num_tokens", "num_blocks", "turns", "created_at",
+    "last_used_at", "pinned", "ttl_seconds", "expires_at", "tiers",
+}  # fmt: skip
+PROMPT = "Session API test. " + " ".join(f"Line {i} of a long shared prefix." for i in range(60))
+
+
+def _talk(server: ServerProcess, sid: str, text: str = PROMPT) -> dict:
+    with server.client() as c:
+        r = c.post(
+            "/v1/completions",
+            json={"model": server.model, "prompt": text, "max_tokens": 2, "session_id": sid},
+        )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_create_get_list_patch_pin_delete(lgkv_server: ServerProcess) -> None:
+    with lgkv_server.client() as c:
+        r = c.post("/v1/sessions", json={"id": "api-life", "ttl_seconds": 600, "pinned": False})
+        assert r.status_code == 201, r.text
+        created = r.json()
+        assert set(created) == SESSION_KEYS
+        assert created["object"] == "session"
+        assert created["ttl_seconds"] == 600
+        assert set(created["tiers"]) == {"ram", "disk", "redis"}
+
+        assert c.get("/v1/sessions/api-life").json()["id"] == "api-life"
+        listed = c.get("/v1/sessions", params={"limit": 1000}).json()
+        assert listed["object"] == "list"
+        assert "api-life" in [s["id"] for s in listed["data"]]
+
+        patched = c.patch("/v1/sessions/api-life", json={"ttl_seconds": None})
+        assert patched.status_code == 200, patched.text
+        assert patched.json()["ttl_seconds"] is None
+        assert c.post("/v1/sessions/api-life/pin").json()["pinned"] is True
+        assert c.post("/v1/sessions/api-life/unpin").json()["pinned"] is False
+
+        deleted = c.delete("/v1/sessions/api-life")
+        assert deleted.status_code == 200
+        assert deleted.json() == {
+            "id": "api-life", "object": "session.deleted", "deleted": True, "freed_blocks": 0,
+        }  # fmt: skip
+        assert c.get("/v1/sessions/api-life").status_code == 404
+
+
+def test_session_filled_by_requests_then_copied_prefetched_deleted(
+    lgkv_server: ServerProcess,
+) -> None:
+    _talk(lgkv_server, "api-filled")
+    with lgkv_server.client() as c:
+        info = c.get("/v1/sessions/api-filled").json()
+        assert info["num_blocks"] >= 2 and info["turns"] == 1
+        assert info["num_tokens"] >= info["num_blocks"] * 128
+
+        copy = c.post("/v1/sessions/api-filled/copy", json={"target_id": "api-fork"})
+        assert copy.status_code == 201, copy.text
+        assert copy.json()["id"] == "api-fork"
+        assert copy.json()["num_blocks"] == info["num_blocks"]
+        again = c.post("/v1/sessions/api-filled/copy", json={"target_id": "api-fork"})
+        assert again.status_code == 409
+        over = c.post(
+            "/v1/sessions/api-filled/copy", json={"target_id": "api-fork", "overwrite": True}
+        )
+        assert over.status_code == 201
+
+        pre = c.post("/v1/sessions/api-filled/prefetch")
+        assert pre.status_code == 200, pre.text
+        assert pre.json()["object"] == "session.prefetch"
+        assert pre.json()["blocks"] == info["num_blocks"]
+
+        # The fork still holds every block, so deleting the source frees none.
+        assert c.delete("/v1/sessions/api-filled").json()["freed_blocks"] == 0
+        assert c.delete("/v1/sessions/api-fork").json()["freed_blocks"] == info["num_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("GET", "/v1/sessions/nope-404", None, 404),
+        ("DELETE", "/v1/sessions/nope-404", None, 404),
+        ("PATCH", "/v1/sessions/nope-404", {"pinned": True}, 404),
+        ("POST", "/v1/sessions/nope-404/pin", None, 404),
+        ("POST", "/v1/sessions/nope-404/prefetch", None, 404),
+        ("POST", "/v1/sessions/nope-404/copy", {"target_id": "x1"}, 404),
+        ("GET", "/v1/sessions/bad%20id", None, 400),
+        ("POST", "/v1/sessions", {"id": "-starts-with-dash"}, 400),
+        ("POST", "/v1/sessions", {"id": "x" * 300}, 400),
+        ("POST", "/v1/sessions", {"ttl_seconds": 5}, 422),
+        ("POST", "/v1/sessions", {"id": "ok1", "pinned": "yes"}, 422),
+        ("POST", "/v1/sessions", {"id": "ok1", "ttl_seconds": -1}, 422),
+        ("POST", "/v1/sessions", {"id": "ok1", "color": "red"}, 422),
+        ("POST", "/v1/sessions", [1, 2], 422),
+        ("GET", "/v1/sessions?limit=abc", None, 400),
+    ],
+)
+def test_errors(
+    lgkv_server: ServerProcess, method: str, path: str, body: object, status: int
+) -> None:
+    with lgkv_server.client() as c:
+        r = c.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+
+
+def test_create_twice_is_409(lgkv_server: ServerProcess) -> None:
+    with lgkv_server.client() as c:
+        assert c.post("/v1/sessions", json={"id": "api-twice"}).status_code == 201
+        r = c.post("/v1/sessions", json={"id": "api-twice"})
+        assert r.status_code == 409
+        assert "already exists" in r.json()["error"]["message"]
+        c.delete("/v1/sessions/api-twice")
+
+
+def test_oversize_session_body_is_413(lgkv_server: ServerProcess) -> None:
+    with lgkv_server.client() as c:
+        r = c.post("/v1/sessions", content=b"{" + b" " * (9 << 20) + b"}")
+    assert r.status_code == 413
+
+
+def test_sessions_survive_a_restart(lgkv_server: ServerProcess) -> None:
+    _talk(lgkv_server, "api-restart")
+    with lgkv_server.client() as c:
+        before = c.get("/v1/sessions/api-restart").json()
+    lgkv_server.restart()
+    with lgkv_server.client() as c:
+        after = c.get("/v1/sessions/api-restart").json()
+    assert after["num_blocks"] == before["num_blocks"] >= 2
+    usage = _talk(lgkv_server, "api-restart")["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 256  # loaded from disk
+
+
+def test_tenants_are_isolated(start_server: ServerFactory) -> None:
+    server = start_server("--api-key", "key-alice", "key-bob")
+    alice = {"Authorization": "Bearer key-alice"}
+    bob = {"Authorization": "Bearer key-bob"}
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 2, "session_id": "same-name"}
+    with server.client() as c:
+        assert c.get("/v1/sessions").status_code == 401
+        assert c.post("/v1/completions", json=body).status_code == 401
+        wrong = c.get("/v1/sessions", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+
+        first = c.post("/v1/completions", json=body, headers=alice)
+        assert first.status_code == 200, first.text
+        again = c.post("/v1/completions", json=body, headers=alice).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        mine = c.get("/v1/sessions/same-name", headers=alice).json()
+        assert mine["tenant"] not in ("default", "unauthenticated") and len(mine["tenant"]) == 16
+        assert c.get("/v1/sessions/same-name", headers=bob).status_code == 404
+        assert c.get("/v1/sessions", headers=bob).json()["data"] == []
+
+        # Same text, other tenant: its own salt, so none of alice's blocks are reused.
+        theirs = c.post("/v1/completions", json=body, headers=bob).json()
+        assert theirs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        bob_session = c.get("/v1/sessions/same-name", headers=bob).json()
+        assert bob_session["tenant"] != mine["tenant"]
+
+
+def test_no_kv_offload_session_api_is_503(start_server: ServerFactory) -> None:
+    server = start_server("--no-kv-offload")
+    with server.client() as c:
+        r = c.get("/v1/sessions")
+        assert r.status_code == 503
+        assert "--no-kv-offload" in r.json()["error"]["message"]
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": server.model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "prompt_cache_key": "plain",
+            },
+        )
+        assert chat.status_code == 200, chat.text

@@ -1,0 +1,33 @@
+"""End to end: the default model (SmolLM2-135M-Instruct) answers over HTTP, sensibly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import ServerFactory
+
+pytestmark = pytest.mark.vllm
+
+
+def test_smollm2_answers_the_capital_of_france(
+    start_server: ServerFactory, smollm2_dir: Path
+) -> None:
+    server = start_server(model_dir=smollm2_dir, model="SmolLM2-135M-Instruct")
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": server.model,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 30,
+                "temperature": 0,
+                "prompt_cache_key": "smollm2-e2e",
+            },
+        )
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert "paris" in answer.lower(), answer
