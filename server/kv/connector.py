@@ -1,0 +1,250 @@
+"""``SessionKVConnector``: vLLM's ``KVConnectorBase_V1`` facade over the scheduler and worker sides.
+
+Load it with ``KVTransferConfig(kv_connector="SessionKVConnector",
+kv_connector_module_path="server.kv.connector", kv_role="kv_both",
+kv_connector_extra_config={...})`` (keys: contracts.md section 2). vLLM builds one instance
+per role: the SCHEDULER one holds :class:`SessionKVScheduler` (index, policy, registry), each
+WORKER one holds :class:`SessionKVWorker` (RAM pool, disk I/O thread). This module only
+translates vLLM's objects into the plain ones those classes take.
+
+The connector is a best-effort cache: a block that cannot be loaded is recomputed, so it sets
+``kv_load_failure_policy="recompute"`` on the transfer config (vLLM's default would fail the
+request). It supports one worker (tensor_parallel_size=1) and one KV cache group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from server.kv.metadata import StepPlan, WorkerReport
+from server.kv.scheduler import SessionKVScheduler
+from server.kv.settings import ConnectorSettings
+from server.kv.tiers.disk import DiskStore, Manifest
+from server.kv.worker import SessionKVWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionKVConnectorMetadata(KVConnectorMetadata):
+    """One step's :class:`StepPlan`, as vLLM ships it scheduler -> worker."""
+
+    plan: StepPlan
+
+
+@dataclass
+class SessionKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's :class:`WorkerReport`, as vLLM ships it worker -> scheduler."""
+
+    report: WorkerReport
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SessionKVWorkerMetadata)
+        return SessionKVWorkerMetadata(self.report.merge(other.report))
+
+
+def build_manifest(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+) -> Manifest:
+    """The layout both sides agree on, derived from vLLM's KV cache config alone."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"SessionKVConnector supports models with one KV cache group, got {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    layers = tuple(groups[0].layer_names)
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+    return Manifest(
+        model_id=settings.model_id or str(vllm_config.model_config.model),
+        dtype=str(spec.dtype),
+        block_size=int(spec.block_size),
+        layers=layers,
+        layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
+        hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
+    )
+
+
+class SessionKVConnector(KVConnectorBase_V1):
+    """Keeps conversations' KV blocks in a RAM pool and on disk between turns."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.world_size != 1:
+            raise ValueError("SessionKVConnector supports tensor/pipeline parallel size 1 only")
+        self.settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        manifest = build_manifest(vllm_config, kv_cache_config, self.settings)
+        self._num_blocks = kv_cache_config.num_blocks
+        store = (
+            DiskStore(self.settings.disk_dir, manifest) if self.settings.disk_bytes > 0 else None
+        )
+        num_slots = self.settings.ram_bytes // manifest.block_bytes
+        self.scheduler: SessionKVScheduler | None = None
+        self.worker: SessionKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SessionKVScheduler(
+                self.settings,
+                block_size=manifest.block_size,
+                block_bytes=manifest.block_bytes,
+                file_bytes=store.file_bytes if store else manifest.block_bytes,
+                disk_files=store.scan() if store else {},
+            )
+            log.info(
+                "SessionKVConnector: %d RAM slots of %d bytes, disk %s (%d bytes budget)",
+                num_slots,
+                manifest.block_bytes,
+                store.root if store else "off",
+                self.settings.disk_bytes,
+            )
+        else:
+            self.worker = SessionKVWorker(
+                num_slots=num_slots,
+                layers=list(manifest.layers),
+                layer_block_bytes=list(manifest.layer_block_bytes),
+                store=store,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never a wrong answer
+
+    # ------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (RAM) or before the request runs (disk)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # blocks are copied once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        finished, errors = self.worker.collect()
+        self._load_errors = errors
+        return None, finished or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = getattr(self, "_load_errors", set()), set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        report = self.worker.take_report()
+        return SessionKVWorkerMetadata(report) if report is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SessionKVConnectorMetadata)
+        return meta.plan
+
+    # ---------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        scheduled: list[tuple[str, list[int] | None, bool, int]] = [
+            (r.req_id, list(r.block_ids[0]), True, r.num_computed_tokens)
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            scheduled.append(
+                (
+                    req_id,
+                    list(new_ids[0]) if new_ids is not None else None,
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                )
+            )
+        plan = self.scheduler.build_plan(scheduled, scheduler_output.num_scheduled_tokens)
+        return SessionKVConnectorMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        report = meta.report if isinstance(meta, SessionKVWorkerMetadata) else WorkerReport()
+        self.scheduler.on_report(report)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_work()

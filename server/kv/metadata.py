@@ -1,0 +1,115 @@
+"""What the scheduler side tells the worker each step, and what the worker reports back.
+
+Plain dataclasses (no torch, no vLLM): :mod:`server.kv.connector` wraps them in vLLM's
+``KVConnectorMetadata`` / ``KVConnectorWorkerMetadata``. Block ids are vLLM's paged-cache
+block ids; slots index the RAM pool; keys are hex block hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NO_SLOT = -1
+"""Slot value of a disk load that has no RAM slot (read into a temporary buffer)."""
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    """Copy one block into the paged cache: from RAM slot ``slot`` or from disk.
+
+    A disk item with a slot reads the file into that slot first (promoting it to RAM)."""
+
+    block_id: int
+    key: str
+    slot: int
+    from_disk: bool
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """All loads of one request. ``is_async``: the request waits in WAITING_FOR_REMOTE_KVS and
+    the worker reports it in ``finished_recving``; otherwise the copies finish before the
+    step's forward pass."""
+
+    req_id: str
+    items: tuple[LoadItem, ...]
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    """Copy paged block ``block_id`` into RAM slot ``slot`` after the forward pass, then (when
+    ``to_disk``) write it to the disk tier on the background thread."""
+
+    block_id: int
+    key: str
+    slot: int
+    to_disk: bool
+
+
+@dataclass
+class StepPlan:
+    """The scheduler's instructions for one engine step."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    """Loads into the paged cache (sync ones run before the forward pass)."""
+    saves: list[SaveItem] = field(default_factory=list)
+    """Blocks completed by this step, to copy out after the forward pass."""
+    reads: list[tuple[str, int]] = field(default_factory=list)
+    """Prefetch: (key, slot) disk -> RAM reads, on the background thread."""
+    removes: list[str] = field(default_factory=list)
+    """Disk files to delete (evictions, drops), queued behind earlier writes."""
+
+    def is_empty(self) -> bool:
+        """True when the worker has nothing to do."""
+        return not (self.loads or self.saves or self.reads or self.removes)
+
+
+@dataclass
+class WorkerReport:
+    """Completions the worker observed since its last report (one per step)."""
+
+    saved: list[str] = field(default_factory=list)
+    """Keys whose RAM copy finished (now loadable from RAM)."""
+    written: list[str] = field(default_factory=list)
+    """Keys whose disk file was written."""
+    write_failed: list[str] = field(default_factory=list)
+    """Keys whose disk write failed (disk full, I/O error)."""
+    read_ok: list[str] = field(default_factory=list)
+    """Keys read from disk into their RAM slot (loads with a slot, prefetch)."""
+    read_failed: list[str] = field(default_factory=list)
+    """Keys whose file was missing or bad (the block is a miss from now on)."""
+    released_slots: list[int] = field(default_factory=list)
+    """Slots a load or read no longer uses (one entry per use)."""
+    load_seconds: list[float] = field(default_factory=list)
+    """Duration of each finished load job."""
+    save_seconds: list[float] = field(default_factory=list)
+    """Duration of each step's RAM copies and of each disk write."""
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Combine the reports of several workers (tensor-parallel ranks)."""
+        return WorkerReport(
+            saved=self.saved + other.saved,
+            written=self.written + other.written,
+            write_failed=self.write_failed + other.write_failed,
+            read_ok=self.read_ok + other.read_ok,
+            read_failed=self.read_failed + other.read_failed,
+            released_slots=self.released_slots + other.released_slots,
+            load_seconds=self.load_seconds + other.load_seconds,
+            save_seconds=self.save_seconds + other.save_seconds,
+        )
+
+    def is_empty(self) -> bool:
+        """True when nothing happened."""
+        return not any(
+            (
+                self.saved,
+                self.written,
+                self.write_failed,
+                self.read_ok,
+                self.read_failed,
+                self.released_slots,
+                self.load_seconds,
+                self.save_seconds,
+            )
+        )

@@ -1,0 +1,98 @@
+"""Session-aware eviction order: who goes first when a tier is full.
+
+Each block inherits the outlook of the sessions that reference it. A session's *lateness* is
+``idle / expected_gap``: the time since its last turn divided by its own mean turn gap (or
+``default_gap_s`` before it has two turns). A session well past its usual gap is unlikely to
+come back soon and goes first; one that usually returns within seconds and was used a moment
+ago stays. A block shared by several sessions takes the most favourable (smallest) lateness.
+Blocks no session references (content-only reuse) use their own last access and the default
+gap. Pinned sessions' blocks are never evicted from disk and leave RAM last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from server.kv.registry import SessionRow
+
+SessionKey = tuple[str, str]
+"""(tenant, session id)."""
+
+
+@dataclass
+class SessionOutlook:
+    """What the policy knows about one session."""
+
+    last_used_at: float
+    """Unix time of the session's last finished turn."""
+    expected_gap_s: float
+    """Mean seconds between the session's turns (or the default)."""
+    pinned: bool
+    """Pinned sessions are kept."""
+
+
+class EvictionPolicy:
+    """Ranks blocks for eviction from the sessions that reference them."""
+
+    def __init__(self, default_gap_s: float = 300.0) -> None:
+        self.default_gap_s = default_gap_s
+        self._sessions: dict[SessionKey, SessionOutlook] = {}
+        self._refs: dict[str, set[SessionKey]] = defaultdict(set)
+        self._blocks_of: dict[SessionKey, list[str]] = {}
+
+    def load(self, sessions: list[SessionRow], refs: list[tuple[str, str, str]]) -> None:
+        """Replace the known state with a registry snapshot."""
+        self._sessions = {(s.tenant, s.id): self._outlook(s) for s in sessions}
+        self._refs = defaultdict(set)
+        self._blocks_of = defaultdict(list)
+        for tenant, sid, key in refs:
+            self._refs[key].add((tenant, sid))
+            self._blocks_of[(tenant, sid)].append(key)
+
+    def record(self, session: SessionRow, keys: list[str]) -> None:
+        """Update one session after a turn (or a registry change)."""
+        skey = (session.tenant, session.id)
+        for old in self._blocks_of.get(skey, []):
+            self._refs[old].discard(skey)
+        self._sessions[skey] = self._outlook(session)
+        self._blocks_of[skey] = list(keys)
+        for key in keys:
+            self._refs[key].add(skey)
+
+    def session_keys(self, tenant: str, session_id: str) -> list[str]:
+        """The block keys of a session as last known."""
+        return list(self._blocks_of.get((tenant, session_id), []))
+
+    def is_pinned(self, key: str) -> bool:
+        """True if a pinned session references the block."""
+        return any(self._sessions[s].pinned for s in self._refs.get(key, ()) if s in self._sessions)
+
+    def lateness(self, key: str, last_access: float, now: float | None = None) -> float:
+        """How overdue the block's most promising session is (larger: evict sooner)."""
+        now = time.time() if now is None else now
+        owners = [self._sessions[s] for s in self._refs.get(key, ()) if s in self._sessions]
+        if not owners:
+            return max(0.0, now - last_access) / self.default_gap_s
+        return min(max(0.0, now - o.last_used_at) / o.expected_gap_s for o in owners)
+
+    def order(self, candidates: list[tuple[str, float]], *, allow_pinned: bool) -> list[str]:
+        """Keys of ``candidates`` (key, last access) in eviction order, first victim first.
+
+        Pinned blocks come last when ``allow_pinned`` and are left out otherwise."""
+        now = time.time()
+        ranked: list[tuple[int, float, float, str]] = []
+        for key, last_access in candidates:
+            pinned = self.is_pinned(key)
+            if pinned and not allow_pinned:
+                continue
+            ranked.append((int(pinned), -self.lateness(key, last_access, now), last_access, key))
+        ranked.sort()
+        return [r[3] for r in ranked]
+
+    def _outlook(self, s: SessionRow) -> SessionOutlook:
+        gap = s.gap_mean if s.gap_count > 0 else self.default_gap_s
+        return SessionOutlook(
+            last_used_at=s.last_used_at, expected_gap_s=max(gap, 1.0), pinned=s.pinned
+        )

@@ -1,0 +1,255 @@
+"""Worker side of the connector: moves bytes as the scheduler side's :class:`StepPlan` says.
+
+Per step:
+- ``start_load`` (before the forward when the step has synchronous loads): RAM -> paged copies
+  of every load job now; disk reads of async jobs and prefetch reads go to the I/O thread.
+- ``save`` (after the forward, from ``wait_for_save``): paged -> RAM slot copies of the blocks
+  the step completed, then the step's file removals and writes go to the I/O thread (a write
+  takes a private copy of the slot, so the slot can be reused at once).
+- ``collect`` (from ``get_finished``): applies finished disk reads to the paged cache, reports
+  requests whose async load completed, and the paged block ids whose load failed (vLLM then
+  recomputes them), and returns a :class:`WorkerReport` for the scheduler side.
+
+One I/O thread runs disk jobs in FIFO order, so a read queued after a write of the same key
+always sees the file. Any disk error is a miss plus a warning, never an exception to vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
+from server.kv.tiers.disk import DiskStore
+from server.kv.tiers.ram import RamPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _AsyncLoad:
+    req_id: str
+    pending: int
+    started: float
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Read:
+    key: str
+    slot: int
+    buffer: torch.Tensor
+    item: LoadItem | None = None
+    req_id: str | None = None
+    error: str | None = None
+
+
+class SessionKVWorker:
+    """Holds the RAM pool, the views of vLLM's KV cache and the disk I/O thread."""
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        layers: list[str],
+        layer_block_bytes: list[int],
+        store: DiskStore | None,
+    ) -> None:
+        self.num_slots = num_slots
+        self.layers = layers
+        self.layer_block_bytes = layer_block_bytes
+        self.store = store
+        self.pool: RamPool | None = None
+        self.kv: list[torch.Tensor] = []
+        self._report = WorkerReport()
+        self._loads: dict[str, _AsyncLoad] = {}
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._done: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._io_loop, name="lgkv-disk-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ set up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Keep block-first views of every layer's cache and allocate the RAM pool."""
+        views: list[torch.Tensor] = []
+        shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+        for name, expected in zip(self.layers, self.layer_block_bytes):
+            if name not in kv_caches:
+                raise RuntimeError(f"SessionKVConnector: no KV cache tensor for layer {name!r}")
+            tensor = kv_caches[name]
+            dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
+            if not dims:
+                raise RuntimeError(
+                    f"SessionKVConnector: cannot find the block dimension of {name!r} "
+                    f"(shape {tuple(tensor.shape)}, {num_blocks} blocks)"
+                )
+            view = tensor.movedim(dims[0], 0)
+            got = view[0].numel() * view.element_size()
+            if got != expected:
+                raise RuntimeError(
+                    f"SessionKVConnector: layer {name!r} has {got} bytes per block, the "
+                    f"scheduler side expects {expected}; the KV cache layout is not supported"
+                )
+            views.append(view)
+            shapes.append((tuple(view.shape[1:]), view.dtype))
+        self.kv = views
+        if self.num_slots:
+            self.pool = RamPool(self.num_slots, shapes)
+
+    # ------------------------------------------------------------------- steps
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Run RAM loads now; queue disk reads of async loads and prefetch reads."""
+        for job in plan.loads:
+            started = time.perf_counter()
+            ram = [i for i in job.items if not i.from_disk]
+            if ram and self.pool is not None:
+                self.pool.load(self.kv, [i.slot for i in ram], [i.block_id for i in ram])
+                self._report.released_slots.extend(i.slot for i in ram)
+            disk = [i for i in job.items if i.from_disk]
+            if not disk:
+                self._report.load_seconds.append(time.perf_counter() - started)
+                if job.is_async:
+                    self._finished_loads.add(job.req_id)
+                continue
+            self._loads[job.req_id] = _AsyncLoad(job.req_id, len(disk), started)
+            for item in disk:
+                self._queue_read(
+                    _Read(item.key, item.slot, self._buffer(item.slot), item, job.req_id)
+                )
+        for key, slot in plan.reads:
+            self._queue_read(_Read(key, slot, self._buffer(slot)))
+
+    def save(self, plan: StepPlan) -> None:
+        """Copy the step's completed blocks to RAM; queue file removals and writes."""
+        if plan.saves and self.pool is not None:
+            started = time.perf_counter()
+            self.pool.save(self.kv, [s.block_id for s in plan.saves], [s.slot for s in plan.saves])
+            self._report.saved.extend(s.key for s in plan.saves)
+            self._report.save_seconds.append(time.perf_counter() - started)
+        for key in plan.removes:
+            self._jobs.put(("remove", key))
+        if self.pool is not None:
+            for item in plan.saves:
+                if item.to_disk:
+                    self._jobs.put(("write", (item.key, self.pool.slot(item.slot).clone())))
+
+    def collect(self) -> tuple[set[str], set[int]]:
+        """Apply finished disk jobs; return (finished async loads, failed paged block ids)."""
+        while True:
+            try:
+                kind, payload = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "read":
+                assert isinstance(payload, _Read)
+                self._finish_read(payload)
+            elif kind == "written":
+                key, seconds = payload  # type: ignore[misc]
+                self._report.written.append(key)
+                self._report.save_seconds.append(seconds)
+            elif kind == "write_failed":
+                self._report.write_failed.append(payload)  # type: ignore[arg-type]
+        finished, self._finished_loads = self._finished_loads, set()
+        errors, self._load_errors = self._load_errors, set()
+        return finished, errors
+
+    def take_report(self) -> WorkerReport | None:
+        """The completions since the last call (None when nothing happened)."""
+        report, self._report = self._report, WorkerReport()
+        return None if report.is_empty() else report
+
+    def shutdown(self) -> None:
+        """Finish queued disk jobs and stop the I/O thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        if slot != NO_SLOT and self.pool is not None:
+            return self.pool.slot(slot)
+        return torch.empty(sum(self.layer_block_bytes), dtype=torch.uint8)
+
+    def _queue_read(self, read: _Read) -> None:
+        self._jobs.put(("read", read))
+
+    def _finish_read(self, read: _Read) -> None:
+        if read.error is None:
+            if read.slot != NO_SLOT:
+                self._report.read_ok.append(read.key)
+        else:
+            log.warning("KV block %s is a miss: %s", read.key[:16], read.error)
+            self._report.read_failed.append(read.key)
+        if read.item is not None and read.req_id is not None:
+            load = self._loads.get(read.req_id)
+            if read.error is None and self.pool is not None:
+                self.pool.load_bytes(self.kv, read.buffer, read.item.block_id)
+            elif read.error is None:
+                _load_bytes_without_pool(self.kv, read.buffer, read.item.block_id)
+            elif load is not None:
+                load.failed_blocks.add(read.item.block_id)
+            if load is not None:
+                load.pending -= 1
+                if load.pending == 0:
+                    self._loads.pop(read.req_id)
+                    self._finished_loads.add(read.req_id)
+                    self._load_errors |= load.failed_blocks
+                    self._report.load_seconds.append(time.perf_counter() - load.started)
+        if read.slot != NO_SLOT:
+            self._report.released_slots.append(read.slot)
+
+    def _io_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, payload = job
+            try:
+                self._run_job(kind, payload)
+            except Exception:  # never let the thread die
+                log.exception("KV disk job %s failed", kind)
+
+    def _run_job(self, kind: str, payload: object) -> None:
+        store = self.store
+        if kind == "read":
+            assert isinstance(payload, _Read)
+            if store is None:
+                payload.error = "no disk tier"
+            else:
+                try:
+                    store.read_into(payload.key, memoryview(payload.buffer.numpy()))
+                except OSError as e:
+                    payload.error = str(e)
+            self._done.put(("read", payload))
+        elif kind == "write" and store is not None:
+            key, data = payload  # type: ignore[misc]
+            started = time.perf_counter()
+            try:
+                store.write(key, memoryview(data.numpy()))
+                self._done.put(("written", (key, time.perf_counter() - started)))
+            except OSError as e:
+                log.warning("KV block %s not written to disk: %s", key[:16], e)
+                self._done.put(("write_failed", key))
+        elif kind == "remove" and store is not None:
+            try:
+                store.remove(payload)  # type: ignore[arg-type]
+            except OSError as e:
+                log.warning("KV block file %s not removed: %s", payload, e)
+
+
+def _load_bytes_without_pool(kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
+    offset = 0
+    for layer in kv:
+        block = layer[block_id]
+        size = block.numel() * block.element_size()
+        block.copy_(data[offset : offset + size].view(block.dtype).view(block.shape))
+        offset += size
