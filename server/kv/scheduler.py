@@ -135,11 +135,13 @@ class SessionKVScheduler:
         count = num_external_tokens // self.block_size
         keys, tiers = lookup.keys[:count], lookup.tiers[:count]
         unslotted = [
-            k for k, t in zip(keys, tiers) if t == "disk" and self.index.blocks[k].slot == NO_SLOT
+            k
+            for k, t in zip(keys, tiers, strict=True)
+            if t == "disk" and self.index.blocks[k].slot == NO_SLOT
         ]
         promote = self.index.alloc_slots(len(unslotted), protect=set(keys))
         items: list[LoadItem] = []
-        for offset, (key, tier) in enumerate(zip(keys, tiers)):
+        for offset, (key, tier) in enumerate(zip(keys, tiers, strict=False)):
             state = self.index.blocks[key]
             block_id = block_ids[lookup.start + offset]
             if tier == "ram":
@@ -196,7 +198,7 @@ class SessionKVScheduler:
     def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
         keys = {k for _, k in wanted}
         slots = self.index.alloc_slots(len(wanted), protect=keys)
-        for (block_id, key), slot in zip(wanted, slots):
+        for (block_id, key), slot in zip(wanted, slots, strict=False):
             to_disk = self.index.reserve_disk(protect=keys)
             self.index.new_block(key, slot, to_disk)
             self._plan.saves.append(SaveItem(block_id, key, slot, to_disk))
@@ -321,7 +323,7 @@ class SessionKVScheduler:
                     if self.index.tier_of(k) == "disk" and self.index.blocks[k].slot == NO_SLOT
                 ]
                 slots = self.index.alloc_slots(len(todo), protect=set(keys))
-                for key, slot in zip(todo, slots):
+                for key, slot in zip(todo, slots, strict=False):
                     state = self.index.blocks[key]
                     state.slot, state.ram_ready, state.locks = slot, False, state.locks + 1
                     self.index.touch(key)

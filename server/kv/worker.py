@@ -81,7 +81,7 @@ class SessionKVWorker:
         """Keep block-first views of every layer's cache and allocate the RAM pool."""
         views: list[torch.Tensor] = []
         shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-        for name, expected in zip(self.layers, self.layer_block_bytes):
+        for name, expected in zip(self.layers, self.layer_block_bytes, strict=False):
             if name not in kv_caches:
                 raise RuntimeError(f"SessionKVConnector: no KV cache tensor for layer {name!r}")
             tensor = kv_caches[name]

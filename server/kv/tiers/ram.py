@@ -28,7 +28,7 @@ class RamPool:
         self.layers: list[torch.Tensor] = []
         self.offsets: list[tuple[int, int]] = []
         offset = 0
-        for (shape, dtype), size in zip(layer_shapes, sizes):
+        for (shape, dtype), size in zip(layer_shapes, sizes, strict=False):
             view = self.buffer[:, offset : offset + size].view(dtype)
             self.layers.append(view.view(self.buffer.shape[0], *shape))
             self.offsets.append((offset, size))
@@ -42,19 +42,19 @@ class RamPool:
         """Copy paged blocks into slots (``kv``: per-layer views with the block dim first)."""
         src = torch.tensor(block_ids, dtype=torch.long)
         dst = torch.tensor(slots, dtype=torch.long)
-        for pool, layer in zip(self.layers, kv):
+        for pool, layer in zip(self.layers, kv, strict=False):
             pool[dst] = layer[src.to(layer.device)].to(pool.device)
 
     def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
         """Copy slots into paged blocks."""
         src = torch.tensor(slots, dtype=torch.long)
         dst = torch.tensor(block_ids, dtype=torch.long)
-        for pool, layer in zip(self.layers, kv):
+        for pool, layer in zip(self.layers, kv, strict=False):
             layer[dst.to(layer.device)] = pool[src].to(layer.device)
 
     def load_bytes(self, kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
         """Copy one block held in a plain byte tensor (pool layout) into a paged block."""
-        for (offset, size), pool, layer in zip(self.offsets, self.layers, kv):
+        for (offset, size), pool, layer in zip(self.offsets, self.layers, kv, strict=False):
             part = data[offset : offset + size].view(pool.dtype).view(pool.shape[1:])
             layer[block_id].copy_(part)
 
