@@ -30,9 +30,14 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from langgraph_kvcache.checkpoint.base import BaseSQLAlchemySaver, Op, check_prune_args
+from langgraph_kvcache.checkpoint.base import (
+    BaseSQLAlchemySaver,
+    Mode,
+    Op,
+    check_prune_args,
+    execution_options,
+)
 from langgraph_kvcache.checkpoint.engine import (
-    WRITE_OPTION,
     engine_kwargs,
     normalize_url,
     prepare_engine,
@@ -99,20 +104,17 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         finally:
             await engine.dispose()
 
-    async def _run(self, op: Op[T], *, write: bool = False) -> T:
+    async def _run(self, op: Op[T], mode: Mode = "read") -> T:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         async with self._lock, self.engine.connect() as conn:
-            if write:
-                await conn.execution_options(**{WRITE_OPTION: True})
-            elif self.dialect == "postgresql":
-                await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await conn.execution_options(**execution_options(self.dialect, mode))
             async with conn.begin():
                 return await arun_op(conn, op)
 
     async def setup(self) -> None:
         """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
-        await self._run(self._op_setup(), write=True)
+        await self._run(self._op_setup(), "write")
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
@@ -141,7 +143,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
         op = self._op_put(config, checkpoint, metadata, new_versions)
-        return await self._run(op, write=True)
+        return await self._run(op, self._put_mode)
 
     async def aput_writes(
         self,
@@ -151,17 +153,17 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        await self._run(self._op_put_writes(config, writes, task_id, task_path), write=True)
+        await self._run(self._op_put_writes(config, writes, task_id, task_path), "single")
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
-        await self._run(self._op_delete_threads([str(thread_id)]), write=True)
+        await self._run(self._op_delete_threads([str(thread_id)]), "write")
         await self._aafter_delete_threads([str(thread_id)])
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
-        await self._run(self._op_copy_thread(source, target), write=True)
+        await self._run(self._op_copy_thread(source, target), "write")
         await self._aafter_copy_thread(source, target)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -169,7 +171,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         ids = check_prune_args(thread_ids, strategy)
         if not ids:
             return
-        await self._run(self._op_prune(ids, strategy), write=True)
+        await self._run(self._op_prune(ids, strategy), "write")
         if strategy == "delete":
             await self._aafter_delete_threads(ids)
         await self._aafter_prune(ids, strategy)
@@ -178,7 +180,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
-        threads = await self._run(self._op_delete_for_runs(run_ids), write=True)
+        threads = await self._run(self._op_delete_for_runs(run_ids), "write")
         await self._aafter_delete_for_runs(list(run_ids), threads)
 
     # -- sync interface: the async methods on the saver's loop -----------------------------

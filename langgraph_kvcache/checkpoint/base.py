@@ -18,7 +18,7 @@ import json
 from collections import defaultdict
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -43,9 +43,10 @@ from sqlalchemy import (
     type_coerce,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import postgresql
 
-from langgraph_kvcache.checkpoint import codec
+from langgraph_kvcache.checkpoint import codec, queries
+from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
 from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, migrations_table, writes
 from langgraph_kvcache.errors import CheckpointerSetupError, ThreadNotEmptyError
@@ -76,6 +77,19 @@ class Stmt:
 Op = Generator[Stmt, list[Any], T]
 """A saver operation: yields statements, is sent their rows, returns its result."""
 
+Mode = Literal["read", "single", "write"]
+"""How a driver runs an operation: ``read`` (reads only), ``single`` (one write statement, atomic
+by itself) or ``write`` (several statements in one write transaction)."""
+
+
+def execution_options(dialect: str, mode: Mode) -> dict[str, Any]:
+    """Connection options for ``mode``: no transaction (and so no BEGIN/COMMIT round trips)
+    unless the operation runs several write statements; on SQLite a write transaction takes the
+    write lock at once (``BEGIN IMMEDIATE``) so concurrent writers queue on ``busy_timeout``."""
+    if dialect == "postgresql":
+        return {} if mode == "write" else {"isolation_level": "AUTOCOMMIT"}
+    return {BEGIN_OPTION: "immediate" if mode == "write" else "none"}
+
 
 def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
     for start in range(0, len(items), size):
@@ -90,15 +104,16 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
 
     dialect: str
 
+    @property
+    def _put_mode(self) -> Mode:
+        """``put`` is one statement on PostgreSQL (blobs in a CTE), two on SQLite."""
+        return "single" if self.dialect == "postgresql" else "write"
+
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """Next channel version: ``"<32-digit counter>.<random>"``, like the PostgreSQL saver."""
         return codec.next_version(current)
 
     # -- dialect helpers -------------------------------------------------------------------
-
-    def _insert(self, table: Any) -> Any:
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
-        return dialect.insert(table)
 
     def _metadata_matches(self, filter: dict[str, Any]) -> list[Any]:
         col = checkpoints.c.metadata
@@ -147,32 +162,20 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
 
     # -- reads -----------------------------------------------------------------------------
 
-    _COLUMNS = (
-        checkpoints.c.thread_id,
-        checkpoints.c.checkpoint_ns,
-        checkpoints.c.checkpoint_id,
-        checkpoints.c.parent_checkpoint_id,
-        checkpoints.c.type,
-        checkpoints.c.checkpoint,
-        checkpoints.c.metadata,
-    )
-
     def _op_get_tuple(self, config: RunnableConfig) -> Op[CheckpointTuple | None]:
         configurable = config["configurable"]
-        c = checkpoints.c
-        query = select(*self._COLUMNS).where(
-            c.thread_id == str(configurable["thread_id"]),
-            c.checkpoint_ns == configurable.get("checkpoint_ns", ""),
-        )
+        params = {
+            "thread_id": str(configurable["thread_id"]),
+            "checkpoint_ns": configurable.get("checkpoint_ns", ""),
+        }
         if checkpoint_id := get_checkpoint_id(config):
-            query = query.where(c.checkpoint_id == checkpoint_id)
+            stmt = queries.get_by_id(self.dialect)
+            params["checkpoint_id"] = checkpoint_id
         else:
-            query = query.order_by(c.checkpoint_id.desc()).limit(1)
-        rows = yield Stmt(query, fetch=True)
-        if not rows:
-            return None
-        tuples = yield from self._op_load(rows)
-        return tuples[0]
+            stmt = queries.get_latest(self.dialect)
+        rows = yield Stmt(stmt, params, fetch=True)
+        found = codec.load_tuples(self.serde, rows)
+        return found[0] if found else None
 
     def _op_list(
         self,
@@ -182,70 +185,21 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         limit: int | None,
     ) -> Op[list[CheckpointTuple]]:
         c = checkpoints.c
-        query = select(*self._COLUMNS)
+        where: list[Any] = []
         if config:
             configurable = config["configurable"]
-            query = query.where(c.thread_id == str(configurable["thread_id"]))
+            where.append(c.thread_id == str(configurable["thread_id"]))
             if (ns := configurable.get("checkpoint_ns")) is not None:
-                query = query.where(c.checkpoint_ns == ns)
+                where.append(c.checkpoint_ns == ns)
             if checkpoint_id := get_checkpoint_id(config):
-                query = query.where(c.checkpoint_id == checkpoint_id)
+                where.append(c.checkpoint_id == checkpoint_id)
         if filter:
-            query = query.where(*self._metadata_matches(filter))
+            where.extend(self._metadata_matches(filter))
         if before is not None and (before_id := get_checkpoint_id(before)):
-            query = query.where(c.checkpoint_id < before_id)
-        query = query.order_by(c.checkpoint_id.desc())
-        if limit is not None:
-            query = query.limit(int(limit))
-        rows = yield Stmt(query, fetch=True)
-        if not rows:
-            return []
-        return (yield from self._op_load(rows))
-
-    def _op_load(self, rows: list[Any]) -> Op[list[CheckpointTuple]]:
-        """Fetch the blobs and pending writes of checkpoint rows and build their tuples."""
-        bodies = [codec.load_body(self.serde, r["type"], r["checkpoint"]) for r in rows]
-        by_group: dict[tuple[str, str], tuple[set[tuple[str, str]], list[str]]] = defaultdict(
-            lambda: (set(), [])
-        )
-        for row, body in zip(rows, bodies, strict=True):
-            keys, ids = by_group[(row["thread_id"], row["checkpoint_ns"])]
-            ids.append(row["checkpoint_id"])
-            keys.update((k[2], k[3]) for k in codec.blob_keys(*k_of(row), body))
-        found: dict[codec.BlobKey, tuple[str, bytes | None]] = {}
-        pending: dict[codec.WriteKey, list[Any]] = defaultdict(list)
-        b, w = blobs.c, writes.c
-        for (thread_id, ns), (keys, ids) in by_group.items():
-            for chunk in _chunks(sorted(keys)):
-                got = yield Stmt(
-                    select(b.channel, b.version, b.type, b.blob).where(
-                        b.thread_id == thread_id,
-                        b.checkpoint_ns == ns,
-                        tuple_(b.channel, b.version).in_(chunk),
-                    ),
-                    fetch=True,
-                )
-                for r in got:
-                    found[(thread_id, ns, r["channel"], r["version"])] = (r["type"], r["blob"])
-            for chunk in _chunks(ids):
-                got = yield Stmt(
-                    select(
-                        w.checkpoint_id, w.task_id, w.task_path, w.idx, w.channel, w.type, w.blob
-                    )
-                    .where(w.thread_id == thread_id, w.checkpoint_ns == ns)
-                    .where(
-                        w.checkpoint_id.in_(chunk)
-                        if len(chunk) > 1
-                        else w.checkpoint_id == chunk[0]
-                    ),
-                    fetch=True,
-                )
-                for r in got:
-                    pending[(thread_id, ns, r["checkpoint_id"])].append(r)
-        return [
-            codec.make_tuple(self.serde, row, body, found, pending.get(k_of(row, True), []))
-            for row, body in zip(rows, bodies, strict=True)
-        ]
+            where.append(c.checkpoint_id < before_id)
+        stmt = queries.checkpoint_rows(self.dialect, where, None if limit is None else int(limit))
+        rows = yield Stmt(stmt, fetch=True)
+        return codec.load_tuples(self.serde, rows)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -258,19 +212,16 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
     ) -> Op[RunnableConfig]:
         md = get_serializable_checkpoint_metadata(config, metadata)
         row, blob_rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions)
-        if blob_rows:
-            yield Stmt(self._insert(blobs).on_conflict_do_nothing(), blob_rows)
-        stmt = self._insert(checkpoints)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["thread_id", "checkpoint_ns", "checkpoint_id"],
-            set_={
-                "checkpoint": stmt.excluded.checkpoint,
-                "type": stmt.excluded.type,
-                "metadata": stmt.excluded.metadata,
-                "run_id": stmt.excluded.run_id,
-            },
-        )
-        yield Stmt(stmt, row)
+        if self.dialect == "postgresql":
+            # One statement: blobs in a data-modifying CTE, then the checkpoint upsert.
+            params = {**row, **queries.flatten(blob_rows)}
+            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params)
+        else:
+            if blob_rows:
+                yield Stmt(
+                    queries.insert_blobs(self.dialect, len(blob_rows)), queries.flatten(blob_rows)
+                )
+            yield Stmt(queries.put_checkpoint(self.dialect, 0), row)
         return {
             "configurable": {
                 "thread_id": row["thread_id"],
@@ -289,19 +240,9 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         rows = codec.write_rows(self.serde, config, writes_, task_id, task_path)
         if not rows:
             return
-        stmt = self._insert(writes)
-        if all(channel in WRITES_IDX_MAP for channel, _ in writes_):
-            stmt = stmt.on_conflict_do_update(
-                index_elements=["thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"],
-                set_={
-                    "channel": stmt.excluded.channel,
-                    "type": stmt.excluded.type,
-                    "blob": stmt.excluded.blob,
-                },
-            )
-        else:
-            stmt = stmt.on_conflict_do_nothing()
-        yield Stmt(stmt, rows)
+        upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
+        stmt = queries.insert_writes(self.dialect, len(rows), upsert)
+        yield Stmt(stmt, queries.flatten(rows))
 
     def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:
         for table in (checkpoints, blobs, writes):
@@ -402,16 +343,10 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
                 .values(parent_checkpoint_id=None)
             )
         kept = yield Stmt(
-            select(c.type, c.checkpoint).where(c.thread_id == thread_id, c.checkpoint_ns == ns),
+            select(c.blob_versions).where(c.thread_id == thread_id, c.checkpoint_ns == ns),
             fetch=True,
         )
-        used = {
-            key[2:]
-            for r in kept
-            for key in codec.blob_keys(
-                thread_id, ns, codec.load_body(self.serde, r["type"], r["checkpoint"])
-            )
-        }
+        used = {item for r in kept for item in r["blob_versions"].items()}
         stored = yield Stmt(
             select(b.channel, b.version).where(b.thread_id == thread_id, b.checkpoint_ns == ns),
             fetch=True,
@@ -461,13 +396,6 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         self, run_ids: Sequence[str], thread_ids: Sequence[str]
     ) -> None:
         """Async twin of :meth:`_after_delete_for_runs`."""
-
-
-def k_of(row: Any, with_id: bool = False) -> Any:
-    """(thread_id, checkpoint_ns[, checkpoint_id]) of a checkpoint row."""
-    if with_id:
-        return (row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"])
-    return (row["thread_id"], row["checkpoint_ns"])
 
 
 def check_prune_args(thread_ids: Sequence[str], strategy: str) -> list[str]:

@@ -6,8 +6,9 @@ call these between statements.
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -17,11 +18,12 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
-    PendingWrite,
     writes_sort_key,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
+
+from langgraph_kvcache.checkpoint.queries import KIND_BLOB, KIND_CHECKPOINT
 
 BlobKey = tuple[str, str, str, str]
 """(thread_id, checkpoint_ns, channel, version) of a stored channel value."""
@@ -84,6 +86,11 @@ def checkpoint_row(
         "type": type_,
         "checkpoint": data,
         "metadata": metadata,
+        "blob_versions": {
+            channel: str(checkpoint["channel_versions"][channel])
+            for channel in blob_values
+            if channel in checkpoint["channel_versions"]
+        },
     }
     blob_rows = []
     for channel, version in new_versions.items():
@@ -130,56 +137,64 @@ def write_rows(
     return rows
 
 
-def load_body(serde: SerializerProtocol, type_: str, data: bytes) -> Checkpoint:
-    """Decode a checkpoint body (inline values only)."""
-    return serde.loads_typed((type_, data))
-
-
-def blob_keys(thread_id: str, ns: str, body: Checkpoint) -> Iterable[BlobKey]:
-    """The blob rows a decoded body needs: every versioned channel not held inline.
-
-    A ``True`` inline value may be a ``_DeltaSnapshot`` marker, so it is looked up too; a
-    blob, when present, wins over the inline value.
-    """
-    inline = body["channel_values"]
-    for channel, version in body["channel_versions"].items():
-        if channel not in inline or inline[channel] is True:
-            yield (thread_id, ns, channel, str(version))
+def load_tuples(
+    serde: SerializerProtocol, rows: Sequence[Mapping[str, Any]]
+) -> list[CheckpointTuple]:
+    """Build checkpoint tuples, newest first, from the rows of ``queries.checkpoint_rows``."""
+    heads: list[Mapping[str, Any]] = []
+    found: dict[BlobKey, tuple[str, bytes | None]] = {}
+    pending: dict[WriteKey, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        kind = row["kind"]
+        if kind == KIND_CHECKPOINT:
+            heads.append(row)
+        elif kind == KIND_BLOB:
+            found[(row["thread_id"], row["checkpoint_ns"], row["a"], row["b"])] = (
+                row["type"],
+                row["data"],
+            )
+        else:
+            key = (row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"])
+            pending.setdefault(key, []).append(row)
+    heads.sort(key=lambda r: r["checkpoint_id"], reverse=True)
+    return [make_tuple(serde, head, found, pending) for head in heads]
 
 
 def make_tuple(
     serde: SerializerProtocol,
-    row: Mapping[str, Any],
-    body: Checkpoint,
+    head: Mapping[str, Any],
     blobs: Mapping[BlobKey, tuple[str, bytes | None]],
-    writes: Sequence[Mapping[str, Any]],
+    pending: Mapping[WriteKey, list[Mapping[str, Any]]],
 ) -> CheckpointTuple:
-    """Assemble a ``CheckpointTuple`` from its row, decoded body, blobs and pending writes."""
-    thread_id, ns = row["thread_id"], row["checkpoint_ns"]
+    """One ``CheckpointTuple`` from its checkpoint row, the blobs and the pending writes."""
+    thread_id, ns, checkpoint_id = head["thread_id"], head["checkpoint_ns"], head["checkpoint_id"]
+    body: Checkpoint = serde.loads_typed((head["type"], head["data"]))
     values = dict(body["channel_values"])
-    for key in blob_keys(thread_id, ns, body):
-        found = blobs.get(key)
-        if found is not None and found[0] != "empty":
-            values[key[2]] = serde.loads_typed(found)
-    ordered = sorted(writes, key=lambda w: writes_sort_key(w["task_path"], w["task_id"], w["idx"]))
-    pending: list[PendingWrite] = [
-        (w["task_id"], w["channel"], serde.loads_typed((w["type"], w["blob"]))) for w in ordered
-    ]
-    parent = row["parent_checkpoint_id"]
+    for channel, version in json.loads(head["c"]).items():
+        stored = blobs.get((thread_id, ns, channel, version))
+        if stored is not None and stored[0] != "empty":
+            values[channel] = serde.loads_typed(stored)
+    writes = sorted(
+        pending.get((thread_id, ns, checkpoint_id), ()),
+        key=lambda w: writes_sort_key(w["c"], w["b"], w["idx"]),
+    )
+    parent = head["a"]
     return CheckpointTuple(
         config={
             "configurable": {
                 "thread_id": thread_id,
                 "checkpoint_ns": ns,
-                "checkpoint_id": row["checkpoint_id"],
+                "checkpoint_id": checkpoint_id,
             }
         },
         checkpoint={**body, "channel_values": values},
-        metadata=row["metadata"],
+        metadata=json.loads(head["b"]),
         parent_config=(
             {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": parent}}
             if parent
             else None
         ),
-        pending_writes=pending,
+        pending_writes=[
+            (w["b"], w["a"], serde.loads_typed((w["type"], w["data"]))) for w in writes
+        ],
     )

@@ -21,8 +21,10 @@ from langgraph_kvcache.errors import UnsupportedDatabaseError
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long a SQLite connection waits for another writer's lock before failing."""
 
-WRITE_OPTION = "lgkv_write"
-"""Execution option set on write connections; on SQLite it makes BEGIN take the write lock."""
+BEGIN_OPTION = "lgkv_begin"
+"""Execution option read by the SQLite ``begin`` listener: ``"immediate"`` (a write
+transaction: take the write lock now), ``"none"`` (no transaction: each statement commits on its
+own, for single-statement operations), anything else a plain deferred ``BEGIN``."""
 
 _MARK = "_lgkv_prepared"
 
@@ -88,7 +90,10 @@ def prepare_engine(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        write = conn.get_execution_options().get(WRITE_OPTION, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        mode = conn.get_execution_options().get(BEGIN_OPTION)
+        if mode == "immediate":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        elif mode != "none":
+            conn.exec_driver_sql("BEGIN")
 
     setattr(engine, _MARK, True)

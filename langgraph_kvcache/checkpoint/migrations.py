@@ -43,6 +43,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                 type TEXT NOT NULL,
                 checkpoint {bytes} NOT NULL,
                 metadata {json} NOT NULL,
+                blob_versions {json} NOT NULL,
                 PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
             )""",
             """CREATE TABLE IF NOT EXISTS checkpoint_blobs (

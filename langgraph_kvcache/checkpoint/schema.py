@@ -40,6 +40,8 @@ class CheckpointRow(Base):
     values taken out; those live in :class:`BlobRow`. Scalar values (``None``, str, int, float,
     bool) stay inline, as in the PostgreSQL saver. ``metadata`` is plain JSON so ``list(filter=)``
     can search it. ``run_id`` is copied out of the metadata for ``delete_for_runs``.
+    ``blob_versions`` maps each channel kept in the blobs table to its version, so one query can
+    join a checkpoint to its blobs (``json_each`` / ``jsonb_each_text``).
     """
 
     __tablename__ = "checkpoints"
@@ -52,6 +54,7 @@ class CheckpointRow(Base):
     type: Mapped[str] = mapped_column(Text)
     checkpoint: Mapped[bytes] = mapped_column(LargeBinary)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType)
+    blob_versions: Mapped[dict[str, str]] = mapped_column(JsonType)
 
     __table_args__ = (
         Index(

@@ -30,9 +30,14 @@ from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import StaticPool
 
-from langgraph_kvcache.checkpoint.base import BaseSQLAlchemySaver, Op, check_prune_args
+from langgraph_kvcache.checkpoint.base import (
+    BaseSQLAlchemySaver,
+    Mode,
+    Op,
+    check_prune_args,
+    execution_options,
+)
 from langgraph_kvcache.checkpoint.engine import (
-    WRITE_OPTION,
     engine_kwargs,
     normalize_url,
     prepare_engine,
@@ -99,19 +104,15 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         finally:
             engine.dispose()
 
-    def _run(self, op: Op[T], *, write: bool = False) -> T:
+    def _run(self, op: Op[T], mode: Mode = "read") -> T:
         with self._lock, self.engine.connect() as conn:
-            if write:
-                conn.execution_options(**{WRITE_OPTION: True})
-            elif self.dialect == "postgresql":
-                # Reads need no transaction: saves no BEGIN/ROLLBACK round trips.
-                conn.execution_options(isolation_level="AUTOCOMMIT")
+            conn.execution_options(**execution_options(self.dialect, mode))
             with conn.begin():
                 return run_op(conn, op)
 
     def setup(self) -> None:
         """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
-        self._run(self._op_setup(), write=True)
+        self._run(self._op_setup(), "write")
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
@@ -138,7 +139,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
-        return self._run(self._op_put(config, checkpoint, metadata, new_versions), write=True)
+        return self._run(self._op_put(config, checkpoint, metadata, new_versions), self._put_mode)
 
     def put_writes(
         self,
@@ -148,17 +149,17 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        self._run(self._op_put_writes(config, writes, task_id, task_path), write=True)
+        self._run(self._op_put_writes(config, writes, task_id, task_path), "single")
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
-        self._run(self._op_delete_threads([str(thread_id)]), write=True)
+        self._run(self._op_delete_threads([str(thread_id)]), "write")
         self._after_delete_threads([str(thread_id)])
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
-        self._run(self._op_copy_thread(source, target), write=True)
+        self._run(self._op_copy_thread(source, target), "write")
         self._after_copy_thread(source, target)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -170,7 +171,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         ids = check_prune_args(thread_ids, strategy)
         if not ids:
             return
-        self._run(self._op_prune(ids, strategy), write=True)
+        self._run(self._op_prune(ids, strategy), "write")
         if strategy == "delete":
             self._after_delete_threads(ids)
         self._after_prune(ids, strategy)
@@ -179,7 +180,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
-        threads = self._run(self._op_delete_for_runs(run_ids), write=True)
+        threads = self._run(self._op_delete_for_runs(run_ids), "write")
         self._after_delete_for_runs(list(run_ids), threads)
 
     # -- async interface: the sync methods in a worker thread ------------------------------

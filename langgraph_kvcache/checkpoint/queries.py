@@ -1,0 +1,248 @@
+"""The saver's hot statements, built once per dialect (and row count) and reused.
+
+Reads: checkpoints with their blobs and pending writes in one round trip.
+
+``checkpoint_rows(dialect, where, limit)`` selects the wanted checkpoints into a CTE ``c`` and
+returns one ``UNION ALL`` of three row kinds, told apart by ``kind``:
+
+- ``0``: a checkpoint (``a`` = parent id, ``data`` = serialized body, ``b`` = metadata text,
+  ``c`` = ``blob_versions`` text);
+- ``1``: a blob one of them references through its ``blob_versions`` (``a`` = channel,
+  ``b`` = version); each blob comes once even when many checkpoints share it;
+- ``2``: a pending write of one of them (``a`` = channel, ``b`` = task id, ``c`` = task path).
+
+SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_each_text``. The
+statements for ``get_tuple`` (latest and by id) are built once per dialect and reused, so their
+cache keys and compiled SQL are computed once.
+
+Writes: multi-row ``INSERT ... VALUES`` statements with numbered bind parameters, one per row
+count, so a ``put``/``put_writes`` is a single statement (atomic without a transaction).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Integer,
+    Select,
+    Text,
+    bindparam,
+    cast,
+    func,
+    literal,
+    null,
+    select,
+    union_all,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, writes
+
+KIND_CHECKPOINT, KIND_BLOB, KIND_WRITE = 0, 1, 2
+
+
+def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select[Any]:
+    """The union described in the module docstring for checkpoints matching ``where``."""
+    ck = checkpoints.c
+    wanted = (
+        select(
+            ck.thread_id,
+            ck.checkpoint_ns,
+            ck.checkpoint_id,
+            ck.parent_checkpoint_id,
+            ck.type,
+            ck.checkpoint,
+            ck.metadata,
+            ck.blob_versions,
+        )
+        .where(*where)
+        .order_by(ck.checkpoint_id.desc())
+    )
+    if limit is not None:
+        wanted = wanted.limit(limit)
+    c = wanted.cte("c")
+    if dialect == "postgresql":
+        each = func.jsonb_each_text(c.c.blob_versions).table_valued("key", "value")
+    else:
+        each = func.json_each(c.c.blob_versions).table_valued("key", "value")
+    refs = (
+        select(
+            c.c.thread_id,
+            c.c.checkpoint_ns,
+            each.c.key.label("channel"),
+            each.c.value.label("version"),
+        )
+        .select_from(c)
+        .join(each, literal(True))
+        .distinct()
+        .subquery("r")
+    )
+    b, w = blobs.c, writes.c
+    text_null = cast(null(), Text)
+    checkpoint_part = select(
+        literal(KIND_CHECKPOINT, Integer).label("kind"),
+        c.c.thread_id,
+        c.c.checkpoint_ns,
+        c.c.checkpoint_id,
+        c.c.parent_checkpoint_id.label("a"),
+        cast(c.c.metadata, Text).label("b"),
+        cast(c.c.blob_versions, Text).label("c"),
+        c.c.type,
+        c.c.checkpoint.label("data"),
+        cast(null(), Integer).label("idx"),
+    )
+    blob_part = select(
+        literal(KIND_BLOB, Integer),
+        b.thread_id,
+        b.checkpoint_ns,
+        text_null,
+        b.channel,
+        b.version,
+        text_null,
+        b.type,
+        b.blob,
+        cast(null(), Integer),
+    ).join_from(
+        refs,
+        blobs,
+        (b.thread_id == refs.c.thread_id)
+        & (b.checkpoint_ns == refs.c.checkpoint_ns)
+        & (b.channel == refs.c.channel)
+        & (b.version == refs.c.version),
+    )
+    write_part = select(
+        literal(KIND_WRITE, Integer),
+        w.thread_id,
+        w.checkpoint_ns,
+        w.checkpoint_id,
+        w.channel,
+        w.task_id,
+        w.task_path,
+        w.type,
+        w.blob,
+        w.idx,
+    ).join_from(
+        c,
+        writes,
+        (w.thread_id == c.c.thread_id)
+        & (w.checkpoint_ns == c.c.checkpoint_ns)
+        & (w.checkpoint_id == c.c.checkpoint_id),
+    )
+    return union_all(checkpoint_part, blob_part, write_part)  # type: ignore[return-value]
+
+
+@cache
+def get_latest(dialect: str) -> Select[Any]:
+    """Latest checkpoint of (``:thread_id``, ``:checkpoint_ns``)."""
+    ck = checkpoints.c
+    where = [ck.thread_id == bindparam("thread_id"), ck.checkpoint_ns == bindparam("checkpoint_ns")]
+    return checkpoint_rows(dialect, where, 1)
+
+
+@cache
+def get_by_id(dialect: str) -> Select[Any]:
+    """Checkpoint ``:checkpoint_id`` of (``:thread_id``, ``:checkpoint_ns``)."""
+    ck = checkpoints.c
+    where = [
+        ck.thread_id == bindparam("thread_id"),
+        ck.checkpoint_ns == bindparam("checkpoint_ns"),
+        ck.checkpoint_id == bindparam("checkpoint_id"),
+    ]
+    return checkpoint_rows(dialect, where, None)
+
+
+# -- write statements ------------------------------------------------------------------------
+
+_BLOB_COLUMNS = ("thread_id", "checkpoint_ns", "channel", "version", "type", "blob")
+_WRITE_COLUMNS = (
+    "thread_id",
+    "checkpoint_ns",
+    "checkpoint_id",
+    "task_id",
+    "task_path",
+    "idx",
+    "channel",
+    "type",
+    "blob",
+)
+_CHECKPOINT_COLUMNS = (
+    "thread_id",
+    "checkpoint_ns",
+    "checkpoint_id",
+    "parent_checkpoint_id",
+    "run_id",
+    "type",
+    "checkpoint",
+    "metadata",
+    "blob_versions",
+)
+_WRITE_KEY = ["thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"]
+
+
+def _insert(dialect: str, table: Any) -> Any:
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+
+def _rows_of_params(columns: tuple[str, ...], n: int) -> list[dict[str, Any]]:
+    """``n`` rows of bind parameters named ``r<i>_<column>`` (see :func:`flatten`)."""
+    return [{col: bindparam(f"r{i}_{col}") for col in columns} for i in range(n)]
+
+
+def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameters for a statement built with ``n = len(rows)`` rows of bind parameters."""
+    return {f"r{i}_{col}": value for i, row in enumerate(rows) for col, value in row.items()}
+
+
+def _upsert_checkpoint(dialect: str) -> Any:
+    stmt = _insert(dialect, checkpoints).values(
+        {col: bindparam(col) for col in _CHECKPOINT_COLUMNS}
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=["thread_id", "checkpoint_ns", "checkpoint_id"],
+        set_={
+            col: stmt.excluded[col]
+            for col in ("type", "checkpoint", "metadata", "blob_versions", "run_id")
+        },
+    )
+
+
+@cache
+def put_checkpoint(dialect: str, n_blobs: int) -> Any:
+    """Upsert ``:<column>`` into checkpoints, with ``n_blobs`` new blobs (``r<i>_<column>``).
+
+    On PostgreSQL the blobs go in a data-modifying CTE, so a ``put`` is one atomic statement
+    (one round trip in autocommit mode). On SQLite, blobs are a separate statement
+    (:func:`insert_blobs`) and this is only the checkpoint upsert.
+    """
+    stmt = _upsert_checkpoint(dialect)
+    if dialect == "postgresql" and n_blobs:
+        rows = _rows_of_params(_BLOB_COLUMNS, n_blobs)
+        new_blobs = pg_insert(blobs).values(rows).on_conflict_do_nothing().cte("new_blobs")
+        stmt = stmt.add_cte(new_blobs)
+    return stmt
+
+
+@cache
+def insert_blobs(dialect: str, n_blobs: int) -> Any:
+    """Insert ``n_blobs`` blob rows (``r<i>_<column>``), keeping existing versions."""
+    rows = _rows_of_params(_BLOB_COLUMNS, n_blobs)
+    return _insert(dialect, blobs).values(rows).on_conflict_do_nothing()
+
+
+@cache
+def insert_writes(dialect: str, n_writes: int, upsert: bool) -> Any:
+    """Insert ``n_writes`` write rows (``r<i>_<column>``) in one statement.
+
+    ``upsert`` (all writes special) replaces an existing write at the same key; otherwise the
+    existing one is kept, as in the PostgreSQL saver.
+    """
+    stmt = _insert(dialect, writes).values(_rows_of_params(_WRITE_COLUMNS, n_writes))
+    if upsert:
+        return stmt.on_conflict_do_update(
+            index_elements=_WRITE_KEY,
+            set_={col: stmt.excluded[col] for col in ("channel", "type", "blob")},
+        )
+    return stmt.on_conflict_do_nothing()
