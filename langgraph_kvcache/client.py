@@ -214,9 +214,9 @@ def _error_from(response: httpx.Response) -> KVCacheClientError:
         elif "detail" in payload:  # FastAPI's own validation errors
             message = str(payload["detail"])
     if status in (502, 503, 504):
+        hint = "" if error_type else " (starting, overloaded or behind a failing proxy: retry)"
         return ServerUnavailableError(
-            f"{response.request.url} answered HTTP {status} ({message}); "
-            "the server is starting, overloaded or behind a failing proxy: retry later."
+            f"{response.request.url} answered HTTP {status}: {message}{hint}"
         )
     cls = {404: SessionNotFoundError, 409: SessionExistsError}.get(status, SessionAPIError)
     return cls(message, status_code=status, error_type=error_type)

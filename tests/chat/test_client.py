@@ -200,9 +200,13 @@ def test_plain_text_error_bodies(recorder: Any) -> None:
 
 
 def test_gateway_errors_mean_unavailable(recorder: Any) -> None:
-    recorder.queue_answer(503, error_json("engine is starting", 503))
-    with KVCacheClient(recorder.url) as kv, pytest.raises(ServerUnavailableError, match="retry"):
-        kv.prefetch("t1")
+    recorder.queue_answer(503, error_json("engine is starting", 503, "service_unavailable"))
+    recorder.queue_answer(502, "Bad Gateway")
+    with KVCacheClient(recorder.url) as kv:
+        with pytest.raises(ServerUnavailableError, match=r"HTTP 503: engine is starting$"):
+            kv.prefetch("t1")
+        with pytest.raises(ServerUnavailableError, match=r"Bad Gateway.*retry"):
+            kv.prefetch("t1")
 
 
 def test_connection_refused_says_how_to_fix() -> None:
