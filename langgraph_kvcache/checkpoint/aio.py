@@ -153,7 +153,10 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        await self._run(self._op_put_writes(config, writes, task_id, task_path), "single")
+        await self._run(
+            self._op_put_writes(config, writes, task_id, task_path),
+            self._writes_mode(len(writes)),
+        )
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

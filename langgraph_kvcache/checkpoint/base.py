@@ -109,6 +109,10 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         """``put`` is one statement on PostgreSQL (blobs in a CTE), two on SQLite."""
         return "single" if self.dialect == "postgresql" else "write"
 
+    def _writes_mode(self, n_writes: int) -> Mode:
+        """``put_writes`` is one statement on PostgreSQL, one per row on SQLite."""
+        return "single" if self.dialect == "postgresql" or n_writes <= 1 else "write"
+
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """Next channel version: ``"<32-digit counter>.<random>"``, like the PostgreSQL saver."""
         return codec.next_version(current)
@@ -214,14 +218,12 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         row, blob_rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions)
         if self.dialect == "postgresql":
             # One statement: blobs in a data-modifying CTE, then the checkpoint upsert.
-            params = {**row, **queries.flatten(blob_rows)}
-            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params)
+            params = {**row, **(queries.row_params(self.dialect, blob_rows) if blob_rows else {})}
+            yield Stmt(queries.put_checkpoint(self.dialect, bool(blob_rows)), params)
         else:
             if blob_rows:
-                yield Stmt(
-                    queries.insert_blobs(self.dialect, len(blob_rows)), queries.flatten(blob_rows)
-                )
-            yield Stmt(queries.put_checkpoint(self.dialect, 0), row)
+                yield Stmt(queries.insert_blobs(self.dialect), blob_rows)
+            yield Stmt(queries.put_checkpoint(self.dialect, False), row)
         return {
             "configurable": {
                 "thread_id": row["thread_id"],
@@ -241,8 +243,8 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         if not rows:
             return
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
-        stmt = queries.insert_writes(self.dialect, len(rows), upsert)
-        yield Stmt(stmt, queries.flatten(rows))
+        stmt = queries.insert_writes(self.dialect, upsert)
+        yield Stmt(stmt, queries.row_params(self.dialect, rows))
 
     def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:
         for table in (checkpoints, blobs, writes):

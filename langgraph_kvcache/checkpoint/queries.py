@@ -15,8 +15,9 @@ SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_eac
 statements for ``get_tuple`` (latest and by id) are built once per dialect and reused, so their
 cache keys and compiled SQL are computed once.
 
-Writes: multi-row ``INSERT ... VALUES`` statements with numbered bind parameters, one per row
-count, so a ``put``/``put_writes`` is a single statement (atomic without a transaction).
+Writes: on PostgreSQL one ``INSERT ... SELECT FROM unnest(arrays)`` statement whatever the row
+count, so a ``put``/``put_writes`` is a single statement, atomic without a transaction; on
+SQLite one-row inserts run with executemany.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import (
     Integer,
+    LargeBinary,
     Select,
     Text,
     bindparam,
@@ -36,6 +38,7 @@ from sqlalchemy import (
     select,
     union_all,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -182,64 +185,70 @@ _CHECKPOINT_COLUMNS = (
 _WRITE_KEY = ["thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"]
 
 
+_TYPES = {"idx": Integer, "blob": LargeBinary}
+
+
 def _insert(dialect: str, table: Any) -> Any:
     return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
 
 
-def _rows_of_params(columns: tuple[str, ...], n: int) -> list[dict[str, Any]]:
-    """``n`` rows of bind parameters named ``r<i>_<column>`` (see :func:`flatten`)."""
-    return [{col: bindparam(f"r{i}_{col}") for col in columns} for i in range(n)]
+def _insert_rows(dialect: str, table: Any, columns: tuple[str, ...]) -> Any:
+    """An INSERT taking its rows as bind parameters, cacheable whatever the row count.
+
+    PostgreSQL: ``INSERT ... SELECT * FROM unnest(:a_<col>, ...)`` with one array parameter per
+    column (see :func:`columnar`): any number of rows in one statement and one round trip.
+    SQLite: a one-row ``INSERT ... VALUES (:<col>, ...)`` run with executemany.
+    """
+    if dialect != "postgresql":
+        return sqlite_insert(table).values({col: bindparam(col) for col in columns})
+    arrays = [
+        bindparam(f"a_{col}", type_=postgresql.ARRAY(_TYPES.get(col, Text))) for col in columns
+    ]
+    rows = func.unnest(*arrays).table_valued(*columns).render_derived(name="r")
+    return pg_insert(table).from_select(list(columns), select(*[rows.c[c] for c in columns]))
 
 
-def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Parameters for a statement built with ``n = len(rows)`` rows of bind parameters."""
-    return {f"r{i}_{col}": value for i, row in enumerate(rows) for col, value in row.items()}
+def row_params(dialect: str, rows: list[dict[str, Any]]) -> Any:
+    """Parameters of an :func:`_insert_rows` statement: column arrays, or the rows themselves."""
+    if dialect != "postgresql":
+        return rows
+    return {f"a_{col}": [row[col] for row in rows] for col in rows[0]}
 
 
-def _upsert_checkpoint(dialect: str) -> Any:
+@cache
+def put_checkpoint(dialect: str, with_blobs: bool) -> Any:
+    """Upsert ``:<column>`` into checkpoints (and on PostgreSQL, the new blobs too).
+
+    On PostgreSQL ``with_blobs`` adds the new blobs as a data-modifying CTE (arrays
+    ``:a_<column>``), so a ``put`` is one atomic statement: one round trip in autocommit mode.
+    On SQLite the blobs are a separate statement (:func:`insert_blobs`).
+    """
     stmt = _insert(dialect, checkpoints).values(
         {col: bindparam(col) for col in _CHECKPOINT_COLUMNS}
     )
-    return stmt.on_conflict_do_update(
+    stmt = stmt.on_conflict_do_update(
         index_elements=["thread_id", "checkpoint_ns", "checkpoint_id"],
         set_={
             col: stmt.excluded[col]
             for col in ("type", "checkpoint", "metadata", "blob_versions", "run_id")
         },
     )
-
-
-@cache
-def put_checkpoint(dialect: str, n_blobs: int) -> Any:
-    """Upsert ``:<column>`` into checkpoints, with ``n_blobs`` new blobs (``r<i>_<column>``).
-
-    On PostgreSQL the blobs go in a data-modifying CTE, so a ``put`` is one atomic statement
-    (one round trip in autocommit mode). On SQLite, blobs are a separate statement
-    (:func:`insert_blobs`) and this is only the checkpoint upsert.
-    """
-    stmt = _upsert_checkpoint(dialect)
-    if dialect == "postgresql" and n_blobs:
-        rows = _rows_of_params(_BLOB_COLUMNS, n_blobs)
-        new_blobs = pg_insert(blobs).values(rows).on_conflict_do_nothing().cte("new_blobs")
-        stmt = stmt.add_cte(new_blobs)
+    if dialect == "postgresql" and with_blobs:
+        stmt = stmt.add_cte(insert_blobs(dialect).cte("new_blobs"))
     return stmt
 
 
 @cache
-def insert_blobs(dialect: str, n_blobs: int) -> Any:
-    """Insert ``n_blobs`` blob rows (``r<i>_<column>``), keeping existing versions."""
-    rows = _rows_of_params(_BLOB_COLUMNS, n_blobs)
-    return _insert(dialect, blobs).values(rows).on_conflict_do_nothing()
+def insert_blobs(dialect: str) -> Any:
+    """Insert blob rows, keeping versions already stored."""
+    return _insert_rows(dialect, blobs, _BLOB_COLUMNS).on_conflict_do_nothing()
 
 
 @cache
-def insert_writes(dialect: str, n_writes: int, upsert: bool) -> Any:
-    """Insert ``n_writes`` write rows (``r<i>_<column>``) in one statement.
-
-    ``upsert`` (all writes special) replaces an existing write at the same key; otherwise the
-    existing one is kept, as in the PostgreSQL saver.
-    """
-    stmt = _insert(dialect, writes).values(_rows_of_params(_WRITE_COLUMNS, n_writes))
+def insert_writes(dialect: str, upsert: bool) -> Any:
+    """Insert write rows. ``upsert`` (all writes special) replaces an existing write at the same
+    key; otherwise the existing one is kept, as in the PostgreSQL saver."""
+    stmt = _insert_rows(dialect, writes, _WRITE_COLUMNS)
     if upsert:
         return stmt.on_conflict_do_update(
             index_elements=_WRITE_KEY,

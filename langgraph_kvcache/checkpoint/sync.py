@@ -149,7 +149,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        self._run(self._op_put_writes(config, writes, task_id, task_path), "single")
+        self._run(
+            self._op_put_writes(config, writes, task_id, task_path),
+            self._writes_mode(len(writes)),
+        )
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
