@@ -122,7 +122,7 @@ class BlockIndex:
             if self.policy.is_pinned(key) and not state.on_disk:
                 continue  # a pinned block leaves RAM only if the disk keeps it
             got.append(state.slot)
-            self._leave_ram(state)
+            self._leave_ram(state, free=False)
             self.evicted["ram"] += 1
         return got
 
@@ -233,8 +233,8 @@ class BlockIndex:
                 self.blocks.pop(state.key, None)
         self.dirty.add(state.key)
 
-    def _leave_ram(self, state: BlockState) -> None:
-        if state.slot != NO_SLOT:
+    def _leave_ram(self, state: BlockState, *, free: bool = True) -> None:
+        if state.slot != NO_SLOT and free:
             self.free_slots.append(state.slot)
         state.slot, state.ram_ready = NO_SLOT, False
         self.dirty.add(state.key)

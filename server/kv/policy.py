@@ -1,12 +1,13 @@
 """Session-aware eviction order: who goes first when a tier is full.
 
 Each block inherits the outlook of the sessions that reference it. A session's *lateness* is
-``idle / expected_gap``: the time since its last turn divided by its own mean turn gap (or
-``default_gap_s`` before it has two turns). A session well past its usual gap is unlikely to
-come back soon and goes first; one that usually returns within seconds and was used a moment
-ago stays. A block shared by several sessions takes the most favourable (smallest) lateness.
-Blocks no session references (content-only reuse) use their own last access and the default
-gap. Pinned sessions' blocks are never evicted from disk and leave RAM last.
+``idle / expected_gap``: the time since its last turn divided by its own mean turn gap
+(``default_gap_s`` before it has two turns; never less than ``min_gap_s``). A session well
+past its usual gap is unlikely to come back soon and goes first; one used a moment ago that
+usually returns within its gap stays. A block shared by several sessions takes the most
+favourable (smallest) lateness. Blocks no session references (content-only reuse) use their
+own last access and the default gap. Pinned sessions' blocks are never evicted from disk and
+leave RAM last.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class SessionOutlook:
 class EvictionPolicy:
     """Ranks blocks for eviction from the sessions that reference them."""
 
-    def __init__(self, default_gap_s: float = 300.0) -> None:
+    def __init__(self, default_gap_s: float = 60.0, min_gap_s: float = 30.0) -> None:
         self.default_gap_s = default_gap_s
+        self.min_gap_s = min_gap_s
         self._sessions: dict[SessionKey, SessionOutlook] = {}
         self._refs: dict[str, set[SessionKey]] = defaultdict(set)
         self._blocks_of: dict[SessionKey, list[str]] = {}
@@ -94,5 +96,5 @@ class EvictionPolicy:
     def _outlook(self, s: SessionRow) -> SessionOutlook:
         gap = s.gap_mean if s.gap_count > 0 else self.default_gap_s
         return SessionOutlook(
-            last_used_at=s.last_used_at, expected_gap_s=max(gap, 1.0), pinned=s.pinned
+            last_used_at=s.last_used_at, expected_gap_s=max(gap, self.min_gap_s), pinned=s.pinned
         )

@@ -72,7 +72,7 @@ class SessionKVScheduler:
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
         self.registry = registry or Registry(settings.registry_path)
-        self.policy = EvictionPolicy(settings.default_gap_s)
+        self.policy = EvictionPolicy(settings.default_gap_s, settings.min_gap_s)
         num_slots = settings.ram_bytes // block_bytes if block_bytes else 0
         self.index = BlockIndex(
             num_slots=num_slots,

@@ -46,8 +46,12 @@ class ConnectorSettings:
     stats_flush_s: float = 1.0
     """Minimum seconds between two flushes of the engine's counters to the registry."""
 
-    default_gap_s: float = 300.0
+    default_gap_s: float = 60.0
     """Assumed turn gap (seconds) of a session with fewer than two turns, for eviction."""
+
+    min_gap_s: float = 30.0
+    """Turn gaps shorter than this count as this long for eviction (tool calls and reading
+    time make shorter gaps noise)."""
 
     @property
     def registry_path(self) -> Path:
@@ -86,7 +90,8 @@ class ConnectorSettings:
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
             stats_flush_s=_positive_float(extra, "stats_flush_s", 1.0),
-            default_gap_s=_positive_float(extra, "default_gap_s", 300.0),
+            default_gap_s=_positive_float(extra, "default_gap_s", 60.0),
+            min_gap_s=_positive_float(extra, "min_gap_s", 30.0),
         )
 
 

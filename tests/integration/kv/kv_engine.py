@@ -1,0 +1,100 @@
+"""Shared helpers of the connector's integration tests: test model and engine arguments.
+
+Kept out of conftest.py so that ``engine_script.py`` (a subprocess) can import them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+BLOCK = 128
+RAM_BLOCKS = 8
+DISK_BLOCKS = 24
+
+
+def kv_model(tiny_model_dir: Path) -> Path:
+    """The tiny model if the CPU attention kernel supports its head size (>= 32), else a
+    same-tokenizer variant with head size 32 built next to it."""
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head >= 32:
+        return tiny_model_dir
+    out = tiny_model_dir.parent / "tiny-llama-hd32"
+    if not (out / "config.json").is_file():
+        _build_hd32(tiny_model_dir, out)
+    return out
+
+
+def _build_hd32(src: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if (src / "chat_template.jinja").exists():
+        (tmp / "chat_template.jinja").write_text((src / "chat_template.jinja").read_text())
+    tmp.rename(out)
+
+
+def block_bytes_of(model_dir: Path) -> int:
+    """Bytes of one block of all layers (K and V, float32)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head * 4
+
+
+def engine_kwargs(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+    """LLM(...) arguments of the test engine (also used by engine_script.py)."""
+    bb = block_bytes_of(model_dir)
+    return {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "distributed_executor_backend": "uni",
+        "kv_cache_memory_bytes": 128 * bb,
+        "max_model_len": 4096,
+        "seed": 0,
+        "kv_connector_extra_config": {
+            "cache_dir": str(cache_dir),
+            "ram_bytes": RAM_BLOCKS * bb,
+            "disk_bytes": DISK_BLOCKS * (bb + 256),
+            "model_id": "tiny",
+            "stats_flush_s": 0.01,
+        },
+    }
+
+
+def make_llm(kwargs: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs = dict(kwargs)
+    extra = kwargs.pop("kv_connector_extra_config")
+    return LLM(
+        **kwargs,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SessionKVConnector",
+            kv_connector_module_path="server.kv.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        ),
+    )

@@ -1,0 +1,251 @@
+"""SessionKVConnector on a real vLLM engine: hits from RAM and disk, restarts, corruption,
+budgets, pins, isolation, delete and prefetch. Greedy outputs must equal a cache-off run.
+
+Tests run in file order and share one engine and cache folder (conftest.py); each states the
+tier state it starts from. Sessions use random token prompts, so no two share a block.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs
+
+from server.kv.control import SessionControl
+from server.kv.registry import Registry
+from server.kv.tiers.disk import MANIFEST_FILE
+
+pytestmark = pytest.mark.vllm
+TENANT = "t"
+
+
+@dataclass
+class Turn:
+    tokens: list[int]
+    logprobs: list[float]
+    num_cached_tokens: int
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200, 40000) for _ in range(n)]
+
+
+def turn(
+    llm: Any,
+    prompt: list[int],
+    session: str | None,
+    *,
+    cache: bool = True,
+    reset: bool = True,
+    max_tokens: int = 8,
+) -> Turn:
+    from vllm import SamplingParams
+
+    if reset:
+        assert llm.reset_prefix_cache()  # the hit must come from our tiers, not vLLM's cache
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=1,
+        skip_reading_prefix_cache=not cache,
+        extra_args={"session_id": session, "tenant": TENANT} if session else None,
+    )
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    lps = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+    return Turn(list(comp.token_ids), lps, out.num_cached_tokens)
+
+
+def same_answer(got: Turn, ref: Turn) -> None:
+    assert got.tokens == ref.tokens
+    assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-3)
+
+
+def hits(registry: Registry, tier: str) -> float:
+    return registry.stats().get(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 0.0)
+
+
+def block_files(cache_dir: Path) -> list[Path]:
+    return list((cache_dir / "blocks").glob("*/*/*/*.kvb"))
+
+
+def file_of(cache_dir: Path, key: str) -> Path:
+    (path,) = (cache_dir / "blocks").glob(f"*/{key[:2]}/{key[2:4]}/{key}.kvb")
+    return path
+
+
+# Session A: 3 full blocks of history, then a second turn that adds 60 tokens.
+PROMPT_A = tokens(1, 3 * BLOCK + 40)
+STATE: dict[str, Any] = {}
+
+
+def test_ram_hit_matches_cache_off(llm: Any, registry: Registry) -> None:
+    first = turn(llm, PROMPT_A, "A")
+    assert first.num_cached_tokens == 0
+    prompt2 = PROMPT_A + first.tokens + tokens(2, 60)
+    ref = turn(llm, prompt2, None, cache=False)
+    before = hits(registry, "ram")
+    got = turn(llm, prompt2, "A")
+    same_answer(got, ref)
+    assert got.num_cached_tokens == 3 * BLOCK
+    assert hits(registry, "ram") - before == 3
+    row = registry.get_session(TENANT, "A")
+    assert row is not None and row.turns == 2 and row.num_blocks == 3
+    STATE.update(prompt2=prompt2, ref=ref)
+
+
+def test_disk_hit_after_ram_eviction(llm: Any, registry: Registry) -> None:
+    turn(llm, tokens(3, RAM_BLOCKS * BLOCK + 10), "B")  # 8 new blocks push A out of RAM
+    usage = registry.tier_usage(TENANT, "A")
+    assert usage["ram"].blocks == 0 and usage["disk"].blocks == 3
+    before = hits(registry, "disk")
+    got = turn(llm, STATE["prompt2"], "A")
+    same_answer(got, STATE["ref"])
+    assert got.num_cached_tokens == 3 * BLOCK
+    assert hits(registry, "disk") - before == 3
+
+
+def test_corrupt_block_file_is_a_miss(llm: Any, registry: Registry, kv_cache_dir: Path) -> None:
+    turn(llm, tokens(4, RAM_BLOCKS * BLOCK + 10), "C")  # A out of RAM again
+    assert registry.tier_usage(TENANT, "A")["ram"].blocks == 0
+    key = registry.session_keys(TENANT, "A")[0]
+    path = file_of(kv_cache_dir, key)
+    data = bytearray(path.read_bytes())
+    data[-100:] = bytes(100)  # damage the payload, keep the size
+    path.write_bytes(bytes(data))
+    got = turn(llm, STATE["prompt2"], "A")
+    same_answer(got, STATE["ref"])  # recomputed, not served from the bad file
+    assert path.read_bytes() != bytes(data)  # the recomputed block was written again
+    got = turn(llm, STATE["prompt2"], "A")
+    same_answer(got, STATE["ref"])
+    assert got.num_cached_tokens == 3 * BLOCK
+
+
+def test_restart_reuses_disk_files(
+    llm: Any, kv_model_dir: Path, kv_cache_dir: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "cache"
+    shutil.copytree(kv_cache_dir, copy)
+    spec = {
+        "engine": engine_kwargs(kv_model_dir, copy),
+        "turns": [{"prompt": STATE["prompt2"], "session": "A"}],
+    }
+    result = run_engine_script(spec, tmp_path)
+    (got,) = result["turns"]
+    assert got["tokens"] == STATE["ref"].tokens
+    assert got["logprobs"] == pytest.approx(STATE["ref"].logprobs, abs=1e-3)
+    assert got["num_cached_tokens"] == 3 * BLOCK
+    reg = Registry(copy / "sessions.sqlite3")
+    assert reg.stats()['lgkv_hit_blocks_total{tier="disk"}'] >= 3
+    reg.close()
+
+
+def test_budgets_hold_and_pinned_session_survives(
+    llm: Any, registry: Registry, kv_cache_dir: Path
+) -> None:
+    control = SessionControl(kv_cache_dir)
+    control.update("A", TENANT, pinned=True)
+    for i in range(4):  # 32 new blocks: more than RAM (8) and disk (24) together
+        turn(llm, tokens(10 + i, RAM_BLOCKS * BLOCK + 10), f"D{i}")
+        stats = registry.stats()
+        assert stats['lgkv_tier_blocks{tier="ram"}'] <= RAM_BLOCKS
+        files = block_files(kv_cache_dir)
+        sizes = sum(p.stat().st_size for p in files)
+        assert len(files) <= DISK_BLOCKS and sizes <= llm_disk_budget(kv_cache_dir)
+    assert registry.stats()['lgkv_evicted_blocks_total{tier="disk"}'] > 0
+    for key in registry.session_keys(TENANT, "A"):
+        assert file_of(kv_cache_dir, key).exists()
+    got = turn(llm, STATE["prompt2"], "A")
+    same_answer(got, STATE["ref"])
+    assert got.num_cached_tokens == 3 * BLOCK
+    control.update("A", TENANT, pinned=False)
+    control.close()
+
+
+def test_concurrent_sessions_keep_their_own_kv(llm: Any, registry: Registry) -> None:
+    from vllm import SamplingParams
+
+    prompts = {"E": tokens(20, 2 * BLOCK + 30), "F": tokens(21, 2 * BLOCK + 30)}
+    refs = {s: turn(llm, p, None, cache=False) for s, p in prompts.items()}
+
+    def batch() -> dict[str, Any]:
+        llm.reset_prefix_cache()
+        params = [
+            SamplingParams(
+                max_tokens=8,
+                temperature=0.0,
+                logprobs=1,
+                extra_args={"session_id": s, "tenant": TENANT},
+            )
+            for s in prompts
+        ]
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts.values()], params, use_tqdm=False
+        )
+        return dict(zip(prompts, outs, strict=True))
+
+    batch()  # first turns, saved side by side
+    second = batch()  # both load their own blocks in the same step
+    for sid, out in second.items():
+        assert out.num_cached_tokens == 2 * BLOCK
+        assert list(out.outputs[0].token_ids) == refs[sid].tokens
+        lps = [
+            lp[t].logprob
+            for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)
+        ]
+        assert lps == pytest.approx(refs[sid].logprobs, abs=1e-3)
+
+
+def test_prefetch_moves_session_to_ram(llm: Any, registry: Registry, kv_cache_dir: Path) -> None:
+    from vllm import SamplingParams
+
+    control = SessionControl(kv_cache_dir)
+    control.update("E", TENANT, pinned=True)  # keeps E on disk whatever the policy thinks
+    turn(llm, tokens(30, RAM_BLOCKS * BLOCK + 10), "G")  # E out of RAM
+    usage = registry.tier_usage(TENANT, "E")
+    assert (usage["ram"].blocks, usage["disk"].blocks) == (0, 2)
+    params = SamplingParams(
+        max_tokens=1, extra_args={"lgkv_op": "prefetch", "session_id": "E", "tenant": TENANT}
+    )  # the request SessionControl.prefetch sends through the engine client
+    llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+    assert registry.tier_usage(TENANT, "E")["ram"].blocks == 2
+    control.update("E", TENANT, pinned=False)
+    control.close()
+
+
+def test_delete_removes_files_and_hits(llm: Any, registry: Registry, kv_cache_dir: Path) -> None:
+    keys = registry.session_keys(TENANT, "A")
+    control = SessionControl(kv_cache_dir)
+    assert control.delete("A", TENANT) == 3
+    assert not [k for k in keys if list((kv_cache_dir / "blocks").glob(f"*/*/*/{k}.kvb"))]
+    got = turn(llm, STATE["prompt2"], "A")
+    assert got.num_cached_tokens == 0  # RAM copies were dropped too
+    same_answer(got, STATE["ref"])
+    control.close()
+
+
+def llm_disk_budget(cache_dir: Path) -> int:
+    manifest = json.loads(next((cache_dir / "blocks").glob(f"*/{MANIFEST_FILE}")).read_text())
+    block = sum(manifest["layer_block_bytes"])
+    return DISK_BLOCKS * (block + 256)
+
+
+def run_engine_script(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    script = Path(__file__).with_name("engine_script.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(spec_file)], capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
