@@ -113,7 +113,7 @@ def vllm_argv(config: ServerConfig) -> list[str]:
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
-            "kv_connector_extra_config": connector_extra_config(config, served_name),
+            "kv_connector_extra_config": connector_extra_config(config, model),
         }
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     return argv + list(config.vllm_args)

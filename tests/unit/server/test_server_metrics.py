@@ -1,0 +1,52 @@
+"""Our KV samples on vLLM's Prometheus registry, from a real SessionControl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from server.api.metrics import SessionMetricsCollector, parse_sample
+from server.kv.control import SessionControl
+
+
+def test_parse_sample() -> None:
+    assert parse_sample('lgkv_tier_bytes{tier="ram"}') == ("lgkv_tier_bytes", {"tier": "ram"})
+    assert parse_sample("lgkv_sessions") == ("lgkv_sessions", {})
+    with pytest.raises(ValueError):
+        parse_sample("not a metric!")
+
+
+def test_collector_exposes_every_contract_sample(tmp_path: Path) -> None:
+    control = SessionControl(tmp_path)
+    try:
+        control.create("m-1", "default")
+        control.create("m-2", "default")
+        registry = CollectorRegistry()
+        registry.register(SessionMetricsCollector(control.metrics))
+        text = generate_latest(registry).decode()
+    finally:
+        control.close()
+    assert "lgkv_sessions 2.0" in text
+    for name in (
+        'lgkv_hit_blocks_total{tier="ram"}',
+        'lgkv_hit_blocks_total{tier="disk"}',
+        "lgkv_miss_blocks_total",
+        "lgkv_saved_blocks_total",
+        'lgkv_tier_bytes{tier="disk"}',
+        'lgkv_tier_blocks{tier="ram"}',
+        "lgkv_load_seconds_sum",
+        "lgkv_save_seconds_count",
+        'lgkv_evicted_blocks_total{tier="ram"}',
+    ):
+        assert name in text, name
+
+
+def test_a_failing_source_does_not_break_the_scrape() -> None:
+    def broken() -> dict[str, float]:
+        raise RuntimeError("registry locked")
+
+    registry = CollectorRegistry()
+    registry.register(SessionMetricsCollector(broken))
+    assert "lgkv" not in generate_latest(registry).decode()
