@@ -219,11 +219,11 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         if self.dialect == "postgresql":
             # One statement: blobs in a data-modifying CTE, then the checkpoint upsert.
             params = {**row, **(queries.row_params(self.dialect, blob_rows) if blob_rows else {})}
-            yield Stmt(queries.put_checkpoint(self.dialect, bool(blob_rows)), params)
+            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params)
         else:
             if blob_rows:
-                yield Stmt(queries.insert_blobs(self.dialect), blob_rows)
-            yield Stmt(queries.put_checkpoint(self.dialect, False), row)
+                yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows)
+            yield Stmt(queries.put_checkpoint(self.dialect, 0), row)
         return {
             "configurable": {
                 "thread_id": row["thread_id"],
@@ -243,7 +243,7 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
         if not rows:
             return
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
-        stmt = queries.insert_writes(self.dialect, upsert)
+        stmt = queries.insert_writes(self.dialect, len(rows), upsert)
         yield Stmt(stmt, queries.row_params(self.dialect, rows))
 
     def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:

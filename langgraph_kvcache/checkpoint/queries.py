@@ -15,9 +15,9 @@ SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_eac
 statements for ``get_tuple`` (latest and by id) are built once per dialect and reused, so their
 cache keys and compiled SQL are computed once.
 
-Writes: on PostgreSQL one ``INSERT ... SELECT FROM unnest(arrays)`` statement whatever the row
-count, so a ``put``/``put_writes`` is a single statement, atomic without a transaction; on
-SQLite one-row inserts run with executemany.
+Writes: on PostgreSQL one statement per ``put``/``put_writes`` whatever the row count (extra rows
+as data-modifying CTEs), atomic without a transaction; on SQLite one-row inserts run with
+executemany inside a transaction.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 
 from sqlalchemy import (
     Integer,
-    LargeBinary,
     Select,
     Text,
     bindparam,
@@ -38,7 +37,6 @@ from sqlalchemy import (
     select,
     union_all,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -185,73 +183,85 @@ _CHECKPOINT_COLUMNS = (
 _WRITE_KEY = ["thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"]
 
 
-_TYPES = {"idx": Integer, "blob": LargeBinary}
-
-
 def _insert(dialect: str, table: Any) -> Any:
     return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
 
 
-def _insert_rows(dialect: str, table: Any, columns: tuple[str, ...]) -> Any:
-    """An INSERT taking its rows as bind parameters, cacheable whatever the row count.
+def _one_row(dialect: str, table: Any, columns: tuple[str, ...], prefix: str, conflict: Any) -> Any:
+    """``INSERT INTO table VALUES (:<prefix><col>, ...)`` with ``conflict`` applied to it."""
+    stmt = _insert(dialect, table).values({col: bindparam(prefix + col) for col in columns})
+    return conflict(stmt)
 
-    PostgreSQL: ``INSERT ... SELECT * FROM unnest(:a_<col>, ...)`` with one array parameter per
-    column (see :func:`columnar`): any number of rows in one statement and one round trip.
-    SQLite: a one-row ``INSERT ... VALUES (:<col>, ...)`` run with executemany.
+
+def _rows(dialect: str, table: Any, columns: tuple[str, ...], n: int, conflict: Any) -> Any:
+    """An INSERT of ``n`` rows as one cacheable statement.
+
+    SQLite: the one-row statement, run with executemany (``n`` ignored). PostgreSQL: the first
+    row's INSERT with one data-modifying CTE per further row, each a one-row INSERT, so any
+    number of rows is one statement and one round trip, with bind parameters ``r<i>_<column>``
+    (see :func:`row_params`). One-row statements keep ``bytea`` parameters in psycopg's binary
+    format, which ``unnest`` over arrays would not.
     """
     if dialect != "postgresql":
-        return sqlite_insert(table).values({col: bindparam(col) for col in columns})
-    arrays = [
-        bindparam(f"a_{col}", type_=postgresql.ARRAY(_TYPES.get(col, Text))) for col in columns
-    ]
-    rows = func.unnest(*arrays).table_valued(*columns).render_derived(name="r")
-    return pg_insert(table).from_select(list(columns), select(*[rows.c[c] for c in columns]))
+        return _one_row(dialect, table, columns, "", conflict)
+    stmt = _one_row(dialect, table, columns, "r0_", conflict)
+    for i in range(1, n):
+        row = _one_row(dialect, table, columns, f"r{i}_", conflict)
+        stmt = stmt.add_cte(row.cte(f"{table.name}_{i}"))
+    return stmt
 
 
 def row_params(dialect: str, rows: list[dict[str, Any]]) -> Any:
-    """Parameters of an :func:`_insert_rows` statement: column arrays, or the rows themselves."""
+    """Parameters of a :func:`_rows` statement: the rows (SQLite) or ``r<i>_<column>``."""
     if dialect != "postgresql":
         return rows
-    return {f"a_{col}": [row[col] for row in rows] for col in rows[0]}
+    return {f"r{i}_{col}": value for i, row in enumerate(rows) for col, value in row.items()}
 
 
-@cache
-def put_checkpoint(dialect: str, with_blobs: bool) -> Any:
-    """Upsert ``:<column>`` into checkpoints (and on PostgreSQL, the new blobs too).
+def _keep(stmt: Any) -> Any:
+    return stmt.on_conflict_do_nothing()
 
-    On PostgreSQL ``with_blobs`` adds the new blobs as a data-modifying CTE (arrays
-    ``:a_<column>``), so a ``put`` is one atomic statement: one round trip in autocommit mode.
-    On SQLite the blobs are a separate statement (:func:`insert_blobs`).
-    """
-    stmt = _insert(dialect, checkpoints).values(
-        {col: bindparam(col) for col in _CHECKPOINT_COLUMNS}
-    )
-    stmt = stmt.on_conflict_do_update(
+
+def _upsert_checkpoint(stmt: Any) -> Any:
+    return stmt.on_conflict_do_update(
         index_elements=["thread_id", "checkpoint_ns", "checkpoint_id"],
         set_={
             col: stmt.excluded[col]
             for col in ("type", "checkpoint", "metadata", "blob_versions", "run_id")
         },
     )
-    if dialect == "postgresql" and with_blobs:
-        stmt = stmt.add_cte(insert_blobs(dialect).cte("new_blobs"))
+
+
+def _upsert_write(stmt: Any) -> Any:
+    return stmt.on_conflict_do_update(
+        index_elements=_WRITE_KEY,
+        set_={col: stmt.excluded[col] for col in ("channel", "type", "blob")},
+    )
+
+
+@cache
+def put_checkpoint(dialect: str, n_blobs: int) -> Any:
+    """Upsert ``:<column>`` into checkpoints; on PostgreSQL also insert ``n_blobs`` new blobs.
+
+    On PostgreSQL the blobs are data-modifying CTEs (``r<i>_<column>``), so a ``put`` is one
+    atomic statement: one round trip in autocommit mode. On SQLite the blobs are a separate
+    statement (:func:`insert_blobs`) and ``n_blobs`` must be 0.
+    """
+    stmt = _one_row(dialect, checkpoints, _CHECKPOINT_COLUMNS, "", _upsert_checkpoint)
+    for i in range(n_blobs):
+        blob = _one_row(dialect, blobs, _BLOB_COLUMNS, f"r{i}_", _keep)
+        stmt = stmt.add_cte(blob.cte(f"new_blob_{i}"))
     return stmt
 
 
 @cache
-def insert_blobs(dialect: str) -> Any:
-    """Insert blob rows, keeping versions already stored."""
-    return _insert_rows(dialect, blobs, _BLOB_COLUMNS).on_conflict_do_nothing()
+def insert_blobs(dialect: str, n_blobs: int) -> Any:
+    """Insert ``n_blobs`` blob rows, keeping versions already stored."""
+    return _rows(dialect, blobs, _BLOB_COLUMNS, n_blobs, _keep)
 
 
 @cache
-def insert_writes(dialect: str, upsert: bool) -> Any:
-    """Insert write rows. ``upsert`` (all writes special) replaces an existing write at the same
-    key; otherwise the existing one is kept, as in the PostgreSQL saver."""
-    stmt = _insert_rows(dialect, writes, _WRITE_COLUMNS)
-    if upsert:
-        return stmt.on_conflict_do_update(
-            index_elements=_WRITE_KEY,
-            set_={col: stmt.excluded[col] for col in ("channel", "type", "blob")},
-        )
-    return stmt.on_conflict_do_nothing()
+def insert_writes(dialect: str, n_writes: int, upsert: bool) -> Any:
+    """Insert ``n_writes`` write rows. ``upsert`` (all writes special) replaces an existing write
+    at the same key; otherwise the existing one is kept, as in the PostgreSQL saver."""
+    return _rows(dialect, writes, _WRITE_COLUMNS, n_writes, _upsert_write if upsert else _keep)
