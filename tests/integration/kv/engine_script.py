@@ -1,70 +1,120 @@
 """Run turns on a fresh engine in its own process; print one JSON line of results.
 
 Usage: ``python engine_script.py SPEC.json``. SPEC: ``{"engine": <LLM kwargs incl.
-kv_connector_extra_config>, "turns": [{"prompt": [ids] | "messages": [...], "session": str|null,
-"cache": bool, "reset": bool, "max_tokens": int}]}``. In ``messages``, an assistant message
-with content ``"$PREV"`` takes the text of the previous turn's answer. Used by the tests for
-engine restarts and for the SmolLM2 check (vLLM keeps one KV connector per process).
+kv_connector_extra_config>, "async": bool, "turns": [...]}``; a turn is
+``{"prompt": [ids] | "messages": [...], "session": str|null, "cache": bool, "reset": bool,
+"max_tokens": int, "keep_text": bool}`` or ``{"prefetch": session}`` (async only: calls
+``SessionControl.prefetch`` with the AsyncLLM as engine client). In ``messages``, an assistant
+message with content ``"$PREV"`` takes the text of the last kept answer.
+
+Used for engine restarts, the SmolLM2 check and the AsyncLLM prefetch path (vLLM keeps one KV
+connector per process, so each engine gets its own process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from kv_engine import make_llm
-    from vllm import SamplingParams
+class Runner:
+    """Applies the turns of a spec to an engine and collects the results."""
 
-    llm = make_llm(spec["engine"])
-    tok = llm.get_tokenizer()
-    results: list[dict[str, Any]] = []
-    prev_text = ""
-    for turn in spec["turns"]:
-        if "messages" in turn:
-            msgs = [
-                {**m, "content": prev_text} if m["content"] == "$PREV" else m
-                for m in turn["messages"]
-            ]
-            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if isinstance(prompt, dict):
-                prompt = prompt["input_ids"]
-        else:
-            prompt = turn["prompt"]
-        if turn.get("reset"):
-            llm.reset_prefix_cache()
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.prev_text = ""
+        self.results: list[dict[str, Any]] = []
+
+    def prompt(self, turn: dict[str, Any]) -> list[int]:
+        if "messages" not in turn:
+            return list(turn["prompt"])
+        msgs = [
+            {**m, "content": self.prev_text} if m["content"] == "$PREV" else m
+            for m in turn["messages"]
+        ]
+        text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def params(self, turn: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+
         session = turn.get("session")
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=turn.get("max_tokens", 8),
             temperature=0.0,
             logprobs=1,
             skip_reading_prefix_cache=not turn.get("cache", True),
             extra_args={"session_id": session, "tenant": "t"} if session else None,
         )
-        out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
+
+    def record(self, turn: dict[str, Any], prompt: list[int], out: Any) -> None:
         comp = out.outputs[0]
         if turn.get("keep_text", True):
-            prev_text = comp.text
-        results.append(
+            self.prev_text = comp.text
+        self.results.append(
             {
                 "prompt_len": len(prompt),
                 "tokens": list(comp.token_ids),
                 "text": comp.text,
                 "logprobs": [
-                    lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=False)
+                    lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)
                 ],
                 "num_cached_tokens": out.num_cached_tokens,
             }
         )
+
+
+def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from kv_engine import make_llm
+
+    llm = make_llm(spec["engine"])
+    runner = Runner(llm.get_tokenizer())
+    for turn in spec["turns"]:
+        prompt = runner.prompt(turn)
+        if turn.get("reset"):
+            llm.reset_prefix_cache()
+        out = llm.generate([{"prompt_token_ids": prompt}], runner.params(turn), use_tqdm=False)
+        runner.record(turn, prompt, out[0])
     llm.llm_engine.engine_core.shutdown()
-    return {"turns": results}
+    return runner.results
+
+
+async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from kv_engine import make_async_llm
+
+    from server.kv.control import SessionControl
+
+    engine = make_async_llm(spec["engine"])
+    cache_dir = Path(spec["engine"]["kv_connector_extra_config"]["cache_dir"])
+    control = SessionControl(cache_dir, engine_client=engine)
+    runner = Runner(engine.tokenizer)
+    try:
+        for turn in spec["turns"]:
+            if "prefetch" in turn:
+                runner.results.append(await control.prefetch(turn["prefetch"], "t"))
+                continue
+            prompt = runner.prompt(turn)
+            if turn.get("reset"):
+                await engine.reset_prefix_cache()
+            final = None
+            async for out in engine.generate(
+                {"prompt_token_ids": prompt}, runner.params(turn), request_id=uuid.uuid4().hex
+            ):
+                final = out
+            runner.record(turn, prompt, final)
+    finally:
+        control.close()
+        engine.shutdown()
+    return runner.results
 
 
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
-    print("RESULT " + json.dumps(run(spec)), flush=True)
+    results = asyncio.run(run_async(spec)) if spec.get("async") else run_sync(spec)
+    print("RESULT " + json.dumps({"turns": results}), flush=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +84,53 @@ def engine_kwargs(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     }
 
 
-def make_llm(kwargs: dict[str, Any]) -> Any:
-    from vllm import LLM
+def transfer_config(extra: dict[str, Any]) -> Any:
+    """vLLM's KVTransferConfig selecting SessionKVConnector (as the app builds it)."""
     from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="SessionKVConnector",
+        kv_connector_module_path="server.kv.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+
+
+def make_llm(kwargs: dict[str, Any]) -> Any:
+    """An offline ``vllm.LLM`` with the connector."""
+    from vllm import LLM
 
     kwargs = dict(kwargs)
     extra = kwargs.pop("kv_connector_extra_config")
-    return LLM(
-        **kwargs,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="SessionKVConnector",
-            kv_connector_module_path="server.kv.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+    return LLM(**kwargs, kv_transfer_config=transfer_config(extra))
+
+
+def make_async_llm(kwargs: dict[str, Any]) -> Any:
+    """An ``AsyncLLM`` (the server's engine client) with the connector."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs = dict(kwargs)
+    extra = kwargs.pop("kv_connector_extra_config")
+    args = AsyncEngineArgs(**kwargs, kv_transfer_config=transfer_config(extra))
+    return AsyncLLM.from_engine_args(args)
+
+
+def run_engine_script(
+    spec: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``engine_script.py`` on ``spec`` in a fresh process; return its turn results."""
+    spec_file = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    spec_file.write_text(json.dumps(spec))
+    script = Path(__file__).with_name("engine_script.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(spec_file)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **(env or {})},
     )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT ") :])["turns"]

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs
+from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs, run_engine_script
 
 from server.kv.control import SessionControl
 from server.kv.registry import Registry
@@ -139,8 +137,7 @@ def test_restart_reuses_disk_files(
         "engine": engine_kwargs(kv_model_dir, copy),
         "turns": [{"prompt": STATE["prompt2"], "session": "A"}],
     }
-    result = run_engine_script(spec, tmp_path)
-    (got,) = result["turns"]
+    (got,) = run_engine_script(spec, tmp_path)
     assert got["tokens"] == STATE["ref"].tokens
     assert got["logprobs"] == pytest.approx(STATE["ref"].logprobs, abs=1e-3)
     assert got["num_cached_tokens"] == 3 * BLOCK
@@ -237,15 +234,3 @@ def llm_disk_budget(cache_dir: Path) -> int:
     manifest = json.loads(next((cache_dir / "blocks").glob(f"*/{MANIFEST_FILE}")).read_text())
     block = sum(manifest["layer_block_bytes"])
     return DISK_BLOCKS * (block + 256)
-
-
-def run_engine_script(spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    script = Path(__file__).with_name("engine_script.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(spec_file)], capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])

@@ -1,0 +1,79 @@
+"""Scenarios with their own engine process: SmolLM2 chat turns, and prefetch through an
+AsyncLLM whose engine core runs in another process (as in the server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kv_engine import BLOCK, block_bytes_of, engine_kwargs, kv_model, run_engine_script
+
+from server.kv.registry import Registry
+
+pytestmark = pytest.mark.vllm
+
+DOC = (
+    "The lighthouse keeper of Varn Island kept a log of every ship that passed. "
+    "In spring the fishing boats came north; in autumn the grain ships went south. "
+)
+
+
+def test_smollm2_second_turn_identical_from_ram_and_disk(smollm2_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    engine = engine_kwargs(smollm2_dir, cache)
+    engine["kv_cache_memory_bytes"] = 48 * block_bytes_of(smollm2_dir)
+    history = [{"role": "user", "content": DOC * 12 + "Who kept the log? Answer in one sentence."}]
+    second = [
+        *history,
+        {"role": "assistant", "content": "$PREV"},
+        {"role": "user", "content": "Which ships went south in autumn?"},
+    ]
+    turns = [
+        {"messages": history, "session": "chat", "max_tokens": 24},
+        {"messages": second, "cache": False, "reset": True, "max_tokens": 24, "keep_text": False},
+        {
+            "messages": second,
+            "session": "chat",
+            "reset": True,
+            "max_tokens": 24,
+            "keep_text": False,
+        },
+    ]
+    first, ref, hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
+    assert first["text"].strip() and ref["prompt_len"] > 2 * BLOCK
+    assert hit["tokens"] == ref["tokens"] and hit["text"] == ref["text"]
+    assert hit["num_cached_tokens"] >= 2 * BLOCK
+    # A restarted engine (same cache folder) serves the same turn from disk, same answer.
+    again = run_engine_script({"engine": engine, "turns": [turns[2]]}, tmp_path)[0]
+    assert again["tokens"] == ref["tokens"] and again["num_cached_tokens"] >= 2 * BLOCK
+    reg = Registry(cache / "sessions.sqlite3")
+    stats = reg.stats()
+    reg.close()
+    assert stats['lgkv_hit_blocks_total{tier="ram"}'] >= 2
+    assert stats['lgkv_hit_blocks_total{tier="disk"}'] >= 2
+
+
+def test_prefetch_through_async_engine_in_another_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = kv_model(tiny_model_dir)
+    cache = tmp_path / "cache"
+    engine = engine_kwargs(model, cache)
+    ram_blocks = engine["kv_connector_extra_config"]["ram_bytes"] // block_bytes_of(model)
+    prompt_a = [300 + i for i in range(3 * BLOCK + 20)]
+    prompt_b = [5000 + i for i in range(ram_blocks * BLOCK + 20)]
+    turns = [
+        {"prompt": prompt_a, "session": "A"},
+        {"prompt": prompt_b, "session": "B"},  # pushes A out of RAM
+        {"prefetch": "A"},
+        {"prompt": [*prompt_a, 7, 7, 7], "session": "A", "reset": True},
+    ]
+    spec = {"engine": engine, "async": True, "turns": turns}
+    results = run_engine_script(spec, tmp_path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert results[2] == {"blocks": 3, "ram_blocks": 3}
+    assert results[3]["num_cached_tokens"] == 3 * BLOCK
+    reg = Registry(cache / "sessions.sqlite3")
+    stats = reg.stats()
+    reg.close()
+    assert stats['lgkv_hit_blocks_total{tier="ram"}'] == 3  # prefetched: no disk hit needed
+    assert stats.get('lgkv_hit_blocks_total{tier="disk"}', 0) == 0
