@@ -72,6 +72,10 @@ class Stmt:
     """A dict, or a list of dicts for an executemany."""
     fetch: bool = False
     """Whether the operation wants the result rows (as mappings) back."""
+    plain: bool = False
+    """A prebuilt statement whose parameters and results need no SQLAlchemy type processing
+    (str, int, bytes only): a driver may run its compiled SQL on the DBAPI connection directly
+    (see :func:`langgraph_kvcache.checkpoint.sync.run_op`)."""
 
 
 Op = Generator[Stmt, list[Any], T]
@@ -177,7 +181,7 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
             params["checkpoint_id"] = checkpoint_id
         else:
             stmt = queries.get_latest(self.dialect)
-        rows = yield Stmt(stmt, params, fetch=True)
+        rows = yield Stmt(stmt, params, fetch=True, plain=True)
         found = codec.load_tuples(self.serde, rows)
         return found[0] if found else None
 
@@ -222,7 +226,7 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
             yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params)
         else:
             if blob_rows:
-                yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows)
+                yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows, plain=True)
             yield Stmt(queries.put_checkpoint(self.dialect, 0), row)
         return {
             "configurable": {
@@ -244,7 +248,7 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
             return
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
         stmt = queries.insert_writes(self.dialect, len(rows), upsert)
-        yield Stmt(stmt, queries.row_params(self.dialect, rows))
+        yield Stmt(stmt, queries.row_params(self.dialect, rows), plain=True)
 
     def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:
         for table in (checkpoints, blobs, writes):

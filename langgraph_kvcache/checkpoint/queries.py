@@ -32,9 +32,10 @@ from sqlalchemy import (
     bindparam,
     cast,
     func,
-    literal,
+    literal_column,
     null,
     select,
+    true,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -77,14 +78,14 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
             each.c.value.label("version"),
         )
         .select_from(c)
-        .join(each, literal(True))
+        .join(each, true())
         .distinct()
         .subquery("r")
     )
     b, w = blobs.c, writes.c
     text_null = cast(null(), Text)
     checkpoint_part = select(
-        literal(KIND_CHECKPOINT, Integer).label("kind"),
+        literal_column(str(KIND_CHECKPOINT), Integer).label("kind"),
         c.c.thread_id,
         c.c.checkpoint_ns,
         c.c.checkpoint_id,
@@ -96,7 +97,7 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         cast(null(), Integer).label("idx"),
     )
     blob_part = select(
-        literal(KIND_BLOB, Integer),
+        literal_column(str(KIND_BLOB), Integer),
         b.thread_id,
         b.checkpoint_ns,
         text_null,
@@ -115,7 +116,7 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         & (b.version == refs.c.version),
     )
     write_part = select(
-        literal(KIND_WRITE, Integer),
+        literal_column(str(KIND_WRITE), Integer),
         w.thread_id,
         w.checkpoint_ns,
         w.checkpoint_id,
