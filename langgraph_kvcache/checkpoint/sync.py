@@ -58,11 +58,10 @@ def _compiled(dialect: Dialect, statement: Any) -> tuple[str, tuple[str, ...], d
     return str(compiled), tuple(compiled.positiontup or ()), fixed
 
 
-def _run_plain(conn: Connection, stmt: Stmt) -> list[Any]:
+def _run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:
     """Run a ``plain`` statement on the DBAPI connection (SQLite): skips SQLAlchemy's per-call
     execution overhead, which is most of a small query's cost in-process."""
-    sql, names, fixed = _compiled(conn.dialect, stmt.statement)
-    driver = conn.connection.driver_connection
+    sql, names, fixed = _compiled(dialect, stmt.statement)
     if isinstance(stmt.params, list):
         rows = [{**fixed, **row} for row in stmt.params]
         driver.executemany(sql, [[row[n] for n in names] for row in rows])
@@ -82,7 +81,7 @@ def run_op(conn: Connection, op: Op[T]) -> T:
         stmt = next(op)
         while True:
             if stmt.plain and plain_ok:
-                rows = _run_plain(conn, stmt)
+                rows = _run_plain(conn.dialect, conn.connection.driver_connection, stmt)
             else:
                 result = conn.execute(stmt.statement, stmt.params)
                 rows = list(result.mappings()) if stmt.fetch else []
@@ -143,13 +142,32 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             with conn.begin():
                 return run_op(conn, op)
 
+    def _run_plain_read(self, op: Op[T]) -> T:
+        """Run a read made only of ``plain`` statements; on SQLite straight on a pooled DBAPI
+        connection (no SQLAlchemy ``Connection``, no transaction: one statement reads one
+        snapshot). Elsewhere, like :meth:`_run`."""
+        if self.dialect != "sqlite":
+            return self._run(op)
+        with self._lock:
+            raw = self.engine.raw_connection()
+            try:
+                stmt = next(op)
+                while True:
+                    if not stmt.plain:
+                        raise TypeError(f"not a plain statement: {stmt.statement}")
+                    stmt = op.send(_run_plain(self.engine.dialect, raw.driver_connection, stmt))
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                raw.close()
+
     def setup(self) -> None:
         """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
         self._run(self._op_setup(), "write")
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
-        found = self._run(self._op_get_tuple(config))
+        found = self._run_plain_read(self._op_get_tuple(config))
         self._after_get_tuple(config, found)
         return found
 
