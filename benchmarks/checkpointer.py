@@ -45,6 +45,9 @@ TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes", "writes")
 CONTEXT = {"documents": [f"retrieved passage {i}: " + "lorem ipsum " * 60 for i in range(8)]}
 
 
+LIST_CALLS = 10
+"""Whole-thread ``list`` calls per saver and repeat."""
+
 OPS = ("put", "put_writes", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)")
 
 
@@ -131,7 +134,7 @@ def bench_pair(
                 results[side].samples["get_tuple (latest)"].append(
                     _timed(lambda s=saver, c=latest: s.get_tuple(c))
                 )
-        for i in range(5):
+        for i in range(LIST_CALLS):
             for side in (i % 2, 1 - i % 2):
                 latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
                 results[side].samples["list (whole thread)"].append(
@@ -217,9 +220,8 @@ def print_table(rows: list[tuple[str, str, Result, Result]]) -> None:
             print(f"{backend:<10} {op + ' /s':<22} {a:>12.1f} {b:>12.1f} {a / b:>9.2f}x")
         a_mb, b_mb = ours.size_bytes / 2**20, peer.size_bytes / 2**20
         ratio = ours.size_bytes / peer.size_bytes
-        print(
-            f"{backend:<10} {'size MiB (lower=better)':<22} {a_mb:>12.2f} {b_mb:>12.2f} {ratio:>9.2f}x"
-        )
+        label = "size MiB (lower=better)"
+        print(f"{backend:<10} {label:<22} {a_mb:>12.2f} {b_mb:>12.2f} {ratio:>9.2f}x")
         print(f"{'':<10} (peer: {peer_name})")
 
 
