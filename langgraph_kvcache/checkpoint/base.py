@@ -6,15 +6,12 @@ statement, receives the rows it returned, and finally returns its result. The sy
 (``Connection.execute`` or ``await AsyncConnection.execute``) and in which transaction.
 
 Session lifecycle extension point: after each operation that changes or reads a thread as a
-whole the savers call a private hook (``_after_get_tuple``, ``_after_delete_threads``,
-``_after_copy_thread``, ``_after_prune``, ``_after_delete_for_runs`` and their ``_a`` async
-twins). They are no-ops here; a subclass that keeps a KV-cache server's sessions in step with the
-threads overrides them.
+whole the savers call a hook of :class:`~langgraph_kvcache.checkpoint.hooks.LifecycleHooks`
+(no-ops there); a subclass that keeps a KV-cache server's sessions in step overrides them.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,13 +37,12 @@ from sqlalchemy import (
     select,
     text,
     tuple_,
-    type_coerce,
     update,
 )
-from sqlalchemy.dialects import postgresql
 
 from langgraph_kvcache.checkpoint import codec, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
+from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
 from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, migrations_table, writes
 from langgraph_kvcache.errors import CheckpointerSetupError, ThreadNotEmptyError
@@ -100,7 +96,7 @@ def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]
         yield items[start : start + size]
 
 
-class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
+class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
     """Operations shared by :class:`SQLAlchemySaver` and :class:`AsyncSQLAlchemySaver`.
 
     Subclasses set ``dialect`` (``"sqlite"`` or ``"postgresql"``) and run the operations.
@@ -120,32 +116,6 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """Next channel version: ``"<32-digit counter>.<random>"``, like the PostgreSQL saver."""
         return codec.next_version(current)
-
-    # -- dialect helpers -------------------------------------------------------------------
-
-    def _metadata_matches(self, filter: dict[str, Any]) -> list[Any]:
-        col = checkpoints.c.metadata
-        if self.dialect == "postgresql":
-            return [type_coerce(col, postgresql.JSONB).contains(filter)]
-        clauses = []
-        for key, value in filter.items():
-            path = '$."' + key.replace('"', '""') + '"'
-            extracted = func.json_extract(col, path)
-            if value is None:
-                clauses.append(func.json_type(col, path) == "null")
-            elif isinstance(value, bool):
-                clauses.append(func.json_type(col, path) == ("true" if value else "false"))
-            elif isinstance(value, (dict, list)):
-                clauses.append(extracted == func.json(json.dumps(value)))
-            else:
-                clauses.append(extracted == value)
-        return clauses
-
-    def _has_metadata_key(self, key: str) -> Any:
-        col = checkpoints.c.metadata
-        if self.dialect == "postgresql":
-            return type_coerce(col, postgresql.JSONB).has_key(key)
-        return func.json_type(col, "$." + key).is_not(None)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -202,7 +172,7 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
             if checkpoint_id := get_checkpoint_id(config):
                 where.append(c.checkpoint_id == checkpoint_id)
         if filter:
-            where.extend(self._metadata_matches(filter))
+            where.extend(queries.metadata_matches(self.dialect, filter))
         if before is not None and (before_id := get_checkpoint_id(before)):
             where.append(c.checkpoint_id < before_id)
         stmt = queries.checkpoint_rows(self.dialect, where, None if limit is None else int(limit))
@@ -277,12 +247,9 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
             yield from self._op_delete_threads(thread_ids)
             return
         c = checkpoints.c
+        uses_delta = queries.has_metadata_key(self.dialect, "counters_since_delta_snapshot")
         delta = yield Stmt(
-            select(c.thread_id)
-            .where(
-                c.thread_id.in_(thread_ids), self._has_metadata_key("counters_since_delta_snapshot")
-            )
-            .distinct(),
+            select(c.thread_id).where(c.thread_id.in_(thread_ids), uses_delta).distinct(),
             fetch=True,
         )
         if delta:
@@ -366,42 +333,6 @@ class BaseSQLAlchemySaver(BaseCheckpointSaver[str]):
                     tuple_(b.channel, b.version).in_(chunk),
                 )
             )
-
-    # -- lifecycle hooks (extension point; no-ops here) ------------------------------------
-
-    def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
-        """Called after ``get_tuple``; a session-aware saver may prefetch the thread's KV."""
-
-    def _after_delete_threads(self, thread_ids: Sequence[str]) -> None:
-        """Called after ``delete_thread`` and ``prune(strategy="delete")``."""
-
-    def _after_copy_thread(self, source: str, target: str) -> None:
-        """Called after ``copy_thread``; a session-aware saver may fork the session."""
-
-    def _after_prune(self, thread_ids: Sequence[str], strategy: str) -> None:
-        """Called after ``prune`` (either strategy)."""
-
-    def _after_delete_for_runs(self, run_ids: Sequence[str], thread_ids: Sequence[str]) -> None:
-        """Called after ``delete_for_runs`` with the threads that lost checkpoints."""
-
-    async def _aafter_get_tuple(
-        self, config: RunnableConfig, found: CheckpointTuple | None
-    ) -> None:
-        """Async twin of :meth:`_after_get_tuple`."""
-
-    async def _aafter_delete_threads(self, thread_ids: Sequence[str]) -> None:
-        """Async twin of :meth:`_after_delete_threads`."""
-
-    async def _aafter_copy_thread(self, source: str, target: str) -> None:
-        """Async twin of :meth:`_after_copy_thread`."""
-
-    async def _aafter_prune(self, thread_ids: Sequence[str], strategy: str) -> None:
-        """Async twin of :meth:`_after_prune`."""
-
-    async def _aafter_delete_for_runs(
-        self, run_ids: Sequence[str], thread_ids: Sequence[str]
-    ) -> None:
-        """Async twin of :meth:`_after_delete_for_runs`."""
 
 
 def check_prune_args(thread_ids: Sequence[str], strategy: str) -> list[str]:
