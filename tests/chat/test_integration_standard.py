@@ -16,11 +16,14 @@ from typing import Annotated, Any, TypedDict
 
 import httpx
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, AnyMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
+from openai import LengthFinishReasonError
+from pydantic import ValidationError
 
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.client import SessionNotFoundError
@@ -98,20 +101,43 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        # Forced tool calls (tool_choice="required") are constrained by vLLM's structured
-        # output, but the standard checks also need the right arguments (magic_function(3) ->
-        # {"input": 3}) and free-form tool use; a 135M model does neither reliably.
+        # ChatKVCache passes tools through (tests/chat/test_chat_model.py checks the wire
+        # format), but the standard checks need a model that calls magic_function(3) with
+        # {"input": 3}; SmolLM2-135M answers in text or with made-up arguments (seen:
+        # '<tool_call>{"name": "magic_function", "arguments": [1, 3, 4, ...' with "required").
         return False
 
     @property
     def has_structured_output(self) -> bool:
-        # json_schema output is grammar-constrained by vLLM, but the 100-token limit of the
-        # standard params cuts a rambling small model's JSON short.
+        return True  # json_schema (the default method) is grammar-constrained by vLLM
+
+    @property
+    def supports_json_mode(self) -> bool:
+        # json_object output has no schema to end it: a 135M model keeps writing keys until
+        # the token limit cuts the JSON short (LengthFinishReasonError).
         return False
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[Any]]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    @pytest.mark.xfail(
+        reason="pydantic v1 schemas go through function calling; a 135M model fills the "
+        "arguments with a JSON string, not an object (seen: 'Feline')",
+        raises=(ValidationError, OutputParserException),
+        strict=False,  # fails on any other error; a better model may pass
+    )
+    def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(
+        reason="a 135M model keeps writing inside the schema's strings past the standard "
+        "100-token limit, so the JSON is cut short (LengthFinishReasonError)",
+        raises=LengthFinishReasonError,
+        strict=False,  # fails on any other error; a better model may pass
+    )
+    def test_structured_output_optional_param(self, model: Any) -> None:
+        super().test_structured_output_optional_param(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         model = make_model(self._url)
