@@ -14,7 +14,7 @@ inside ``ainvoke``) but not from the loop's own thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy.engine import URL
@@ -121,6 +122,18 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         found = await self._run(self._op_get_tuple(config))
         await self._aafter_get_tuple(config, found)
         return found
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """Per-channel writes and seed along ``config``'s parent chain (``DeltaChannel``)."""
+        return await self._run(self._op_delta_history(config, channels))
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """Sync :meth:`aget_delta_channel_history`, run on the saver's loop (another thread)."""
+        return self._wait(self.aget_delta_channel_history(config=config, channels=channels))
 
     async def alist(
         self,

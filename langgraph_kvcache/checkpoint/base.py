@@ -25,6 +25,8 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
+    PendingWrite,
     get_checkpoint_id,
     get_serializable_checkpoint_metadata,
 )
@@ -154,6 +156,39 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         rows = yield Stmt(stmt, params, fetch=True, plain=True)
         found = codec.load_tuples(self.serde, rows)
         return found[0] if found else None
+
+    def _op_delta_history(
+        self, config: RunnableConfig, channels: Sequence[str]
+    ) -> Op[dict[str, DeltaChannelHistory]]:
+        """``get_delta_channel_history`` on one connection: the base class's parent-chain walk
+        (writes per channel, newest ancestor first, up to the nearest stored value), with each
+        ancestor read by the one-statement ``get_tuple`` query and no lifecycle hooks."""
+        if not channels:
+            return {}
+        collected: dict[str, list[PendingWrite]] = {ch: [] for ch in channels}
+        seeds: dict[str, Any] = {}
+        remaining = set(channels)
+        target = yield from self._op_get_tuple(config)
+        cursor = target.parent_config if target else None
+        while cursor is not None and remaining:
+            found = yield from self._op_get_tuple(cursor)
+            if found is None:
+                break
+            for write in reversed(found.pending_writes or []):
+                if write[1] in remaining:
+                    collected[write[1]].append(write)
+            for ch in list(remaining):
+                if ch in found.checkpoint["channel_values"]:
+                    seeds[ch] = found.checkpoint["channel_values"][ch]
+                    remaining.discard(ch)
+            cursor = found.parent_config
+        result: dict[str, DeltaChannelHistory] = {}
+        for ch in channels:
+            entry: DeltaChannelHistory = {"writes": list(reversed(collected[ch]))}
+            if ch in seeds:
+                entry["seed"] = seeds[ch]
+            result[ch] = entry
+        return result
 
     def _op_list(
         self,

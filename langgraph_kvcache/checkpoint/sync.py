@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import Connection, Engine, create_engine
@@ -170,6 +171,20 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         found = self._run_plain_read(self._op_get_tuple(config))
         self._after_get_tuple(config, found)
         return found
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """Per-channel writes and seed along ``config``'s parent chain (``DeltaChannel``)."""
+        return self._run_plain_read(self._op_delta_history(config, channels))
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """Async :meth:`get_delta_channel_history` (runs in a worker thread)."""
+        return await asyncio.to_thread(
+            self.get_delta_channel_history, config=config, channels=channels
+        )
 
     def list(
         self,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from checkpoint_graphs import approval_graph, delta_graph, subgraph_graph
 from langchain_core.messages import HumanMessage
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.types import Command
 
 from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
@@ -177,8 +178,32 @@ def test_delta_channel_thread_sync(db_url: str) -> None:
         graph = delta_graph().compile(checkpointer=saver)
         log = graph.get_state(cfg).values["log"]
         assert log == [f"turn {i}" for i in range(7)]
+        # The one-connection override returns what the base class's generic walk returns.
+        ours = saver.get_delta_channel_history(config=cfg, channels=["log", "missing"])
+        generic = BaseCheckpointSaver.get_delta_channel_history(
+            saver, config=cfg, channels=["log", "missing"]
+        )
+        assert ours == generic
+        assert ours["missing"] == {"writes": []}
+        assert ours["log"]["writes"] or "seed" in ours["log"]
         with pytest.raises(NotImplementedError, match="DeltaChannel"):
             saver.prune(["delta"], strategy="keep_latest")
+
+
+async def test_delta_channel_thread_async(db_url: str) -> None:
+    cfg = _cfg("delta")
+    async with AsyncSQLAlchemySaver.from_conn_string(db_url) as saver:
+        await saver.setup()
+        graph = delta_graph().compile(checkpointer=saver)
+        for _ in range(5):
+            await graph.ainvoke({"log": []}, cfg)
+        state = await graph.aget_state(cfg)
+        assert state.values["log"] == [f"turn {i}" for i in range(5)]
+        ours = await saver.aget_delta_channel_history(config=cfg, channels=["log"])
+        generic = await BaseCheckpointSaver.aget_delta_channel_history(
+            saver, config=cfg, channels=["log"]
+        )
+        assert ours == generic
 
 
 async def test_sync_saver_under_ainvoke(sqlite_url: str) -> None:
