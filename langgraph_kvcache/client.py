@@ -17,7 +17,6 @@ Errors form one hierarchy under :class:`KVCacheClientError`:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 from urllib.parse import quote
@@ -25,7 +24,7 @@ from urllib.parse import quote
 import httpx
 
 from langgraph_kvcache.errors import KVCacheError
-from langgraph_kvcache.sessions import validate_session_id
+from langgraph_kvcache.sessions import PrefetchResult, Session, TierUsage, validate_session_id
 
 __all__ = [
     "UNSET",
@@ -84,84 +83,6 @@ class SessionExistsError(SessionAPIError):
 
 class ServerUnavailableError(KVCacheClientError, ConnectionError):
     """The server could not be reached, timed out, or answered 502/503/504."""
-
-
-# ----------------------------------------------------------------------------- data
-@dataclass(frozen=True)
-class TierUsage:
-    """How much of a session lives in one storage tier."""
-
-    blocks: int
-    """Number of the session's KV blocks held by the tier."""
-    bytes: int
-    """Bytes those blocks take in the tier."""
-
-
-@dataclass(frozen=True)
-class Session:
-    """A server session: the KV cache of one conversation (one LangGraph thread or subgraph)."""
-
-    id: str
-    """Session id (see :func:`langgraph_kvcache.session_id_for`)."""
-    tenant: str
-    """Tenant owning the session (derived by the server from the API key)."""
-    num_tokens: int
-    """Tokens of the conversation prefix whose KV the session holds."""
-    num_blocks: int
-    """KV blocks the session references."""
-    turns: int
-    """Requests that have named this session."""
-    created_at: float
-    """Creation time, unix seconds."""
-    last_used_at: float
-    """Time of the last request or API call that used the session, unix seconds."""
-    pinned: bool
-    """Pinned sessions are never evicted and never expire."""
-    ttl_seconds: float | None
-    """Idle time after which the session expires; ``None``: never."""
-    expires_at: float | None
-    """When the session expires if unused, unix seconds; ``None``: never."""
-    tiers: dict[str, TierUsage] = field(default_factory=dict)
-    """Usage per tier, keyed ``"ram"``, ``"disk"``, ``"redis"``."""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Session:
-        """Parse the server's Session JSON; raises :class:`SessionAPIError` if it is malformed."""
-        try:
-            return cls(
-                id=str(data["id"]),
-                tenant=str(data["tenant"]),
-                num_tokens=int(data["num_tokens"]),
-                num_blocks=int(data["num_blocks"]),
-                turns=int(data["turns"]),
-                created_at=float(data["created_at"]),
-                last_used_at=float(data["last_used_at"]),
-                pinned=bool(data["pinned"]),
-                ttl_seconds=_opt_float(data.get("ttl_seconds")),
-                expires_at=_opt_float(data.get("expires_at")),
-                tiers={
-                    str(name): TierUsage(blocks=int(u["blocks"]), bytes=int(u["bytes"]))
-                    for name, u in (data.get("tiers") or {}).items()
-                },
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise _malformed("Session", data, exc) from exc
-
-
-@dataclass(frozen=True)
-class PrefetchResult:
-    """Answer of :meth:`KVCacheClient.prefetch`."""
-
-    id: str
-    """The session prefetched."""
-    blocks: int
-    """Blocks of the session."""
-    ram_blocks: int
-    """Blocks in RAM once the prefetch finished."""
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:
@@ -241,11 +162,18 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     return data
 
 
+def _session(data: dict[str, Any]) -> Session:
+    try:
+        return Session.from_dict(data)
+    except ValueError as exc:
+        raise _malformed("Session", data, exc) from exc
+
+
 def _sessions(data: dict[str, Any]) -> list[Session]:
     items = data.get("data")
     if not isinstance(items, list):
         raise _malformed("session list", data, KeyError("data"))
-    return [Session.from_dict(item) for item in items]
+    return [_session(item) for item in items]
 
 
 def _freed(data: dict[str, Any]) -> int:
@@ -257,8 +185,8 @@ def _freed(data: dict[str, Any]) -> int:
 
 def _prefetch(data: dict[str, Any]) -> PrefetchResult:
     try:
-        return PrefetchResult(str(data["id"]), int(data["blocks"]), int(data["ram_blocks"]))
-    except (KeyError, TypeError, ValueError) as exc:
+        return PrefetchResult.from_dict(data)
+    except ValueError as exc:
         raise _malformed("prefetch answer", data, exc) from exc
 
 
@@ -299,14 +227,14 @@ class KVCacheClient:
 
     def get_session(self, session_id: str) -> Session:
         """One session; raises :class:`SessionNotFoundError` if unknown."""
-        return Session.from_dict(self._call("GET", _path(session_id)))
+        return _session(self._call("GET", _path(session_id)))
 
     def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """Create an empty session; raises :class:`SessionExistsError` if it exists."""
         body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
-        return Session.from_dict(self._call("POST", "/v1/sessions", body))
+        return _session(self._call("POST", "/v1/sessions", body))
 
     def update_session(
         self,
@@ -316,9 +244,7 @@ class KVCacheClient:
         pinned: bool | None = None,
     ) -> Session:
         """Change TTL (``None``: never expire) and/or pin state; omitted fields stay as they are."""
-        return Session.from_dict(
-            self._call("PATCH", _path(session_id), _update_body(ttl_seconds, pinned))
-        )
+        return _session(self._call("PATCH", _path(session_id), _update_body(ttl_seconds, pinned)))
 
     def delete_session(self, session_id: str) -> int:
         """Delete a session and its KV (blocks no other session uses); returns blocks freed."""
@@ -326,11 +252,11 @@ class KVCacheClient:
 
     def pin(self, session_id: str) -> Session:
         """Pin a session: it is never evicted nor expired until unpinned."""
-        return Session.from_dict(self._call("POST", _path(session_id, "pin")))
+        return _session(self._call("POST", _path(session_id, "pin")))
 
     def unpin(self, session_id: str) -> Session:
         """Unpin a session: it is evicted and expires like any other again."""
-        return Session.from_dict(self._call("POST", _path(session_id, "unpin")))
+        return _session(self._call("POST", _path(session_id, "unpin")))
 
     def prefetch(self, session_id: str) -> PrefetchResult:
         """Load a session's KV from disk into RAM now, ahead of its next request."""
@@ -343,7 +269,7 @@ class KVCacheClient:
         :class:`SessionExistsError` if the target exists and ``overwrite`` is false.
         """
         body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return Session.from_dict(self._call("POST", _path(source_id, "copy"), body))
+        return _session(self._call("POST", _path(source_id, "copy"), body))
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -392,14 +318,14 @@ class AsyncKVCacheClient:
 
     async def get_session(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.get_session`."""
-        return Session.from_dict(await self._call("GET", _path(session_id)))
+        return _session(await self._call("GET", _path(session_id)))
 
     async def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.create_session`."""
         body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
-        return Session.from_dict(await self._call("POST", "/v1/sessions", body))
+        return _session(await self._call("POST", "/v1/sessions", body))
 
     async def update_session(
         self,
@@ -410,7 +336,7 @@ class AsyncKVCacheClient:
     ) -> Session:
         """See :meth:`KVCacheClient.update_session`."""
         body = _update_body(ttl_seconds, pinned)
-        return Session.from_dict(await self._call("PATCH", _path(session_id), body))
+        return _session(await self._call("PATCH", _path(session_id), body))
 
     async def delete_session(self, session_id: str) -> int:
         """See :meth:`KVCacheClient.delete_session`."""
@@ -418,11 +344,11 @@ class AsyncKVCacheClient:
 
     async def pin(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.pin`."""
-        return Session.from_dict(await self._call("POST", _path(session_id, "pin")))
+        return _session(await self._call("POST", _path(session_id, "pin")))
 
     async def unpin(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.unpin`."""
-        return Session.from_dict(await self._call("POST", _path(session_id, "unpin")))
+        return _session(await self._call("POST", _path(session_id, "unpin")))
 
     async def prefetch(self, session_id: str) -> PrefetchResult:
         """See :meth:`KVCacheClient.prefetch`."""
@@ -433,7 +359,7 @@ class AsyncKVCacheClient:
     ) -> Session:
         """See :meth:`KVCacheClient.copy_session`."""
         body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return Session.from_dict(await self._call("POST", _path(source_id, "copy"), body))
+        return _session(await self._call("POST", _path(source_id, "copy"), body))
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -15,8 +15,9 @@ the mapping is deterministic and does not depend on the process. Every session o
 with :func:`thread_session_prefix` followed by ``|``; the checkpointer uses that to drop a
 thread's subgraph sessions along with the thread.
 
-The helpers at the bottom read the configuration of the running graph (the ``RunnableConfig``
-that LangGraph puts in a context variable while a node runs).
+Further down: helpers that read the configuration of the running graph (the ``RunnableConfig``
+that LangGraph puts in a context variable while a node runs), and the session records the
+server's session API returns (:class:`Session`, :class:`TierUsage`, :class:`PrefetchResult`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -31,6 +33,9 @@ from langchain_core.runnables.config import var_child_runnable_config
 
 __all__ = [
     "SESSION_ID_PATTERN",
+    "PrefetchResult",
+    "Session",
+    "TierUsage",
     "current_config",
     "graph_namespace",
     "is_valid_session_id",
@@ -161,3 +166,89 @@ def session_id_from_config(config: RunnableConfig | Mapping[str, Any] | None) ->
     if thread_id is None or thread_id == "":
         return None
     return session_id_for(thread_id, graph_namespace(configurable))
+
+
+# ----------------------------------------------------------------------------- server records
+@dataclass(frozen=True)
+class TierUsage:
+    """How much of a session lives in one storage tier."""
+
+    blocks: int
+    """Number of the session's KV blocks held by the tier."""
+    bytes: int
+    """Bytes those blocks take in the tier."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """A server session (contracts.md 4): the KV cache of one thread's graph or subgraph."""
+
+    id: str
+    """Session id (see :func:`session_id_for`)."""
+    tenant: str
+    """Tenant owning the session (derived by the server from the API key)."""
+    num_tokens: int
+    """Tokens of the conversation prefix whose KV the session holds."""
+    num_blocks: int
+    """KV blocks the session references."""
+    turns: int
+    """Requests that have named this session."""
+    created_at: float
+    """Creation time, unix seconds."""
+    last_used_at: float
+    """Time of the last request or API call that used the session, unix seconds."""
+    pinned: bool
+    """Pinned sessions are never evicted and never expire."""
+    ttl_seconds: float | None
+    """Idle time after which the session expires; ``None``: never."""
+    expires_at: float | None
+    """When the session expires if unused, unix seconds; ``None``: never."""
+    tiers: dict[str, TierUsage] = field(default_factory=dict)
+    """Usage per tier, keyed ``"ram"``, ``"disk"``, ``"redis"``."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Session:
+        """Parse the server's Session JSON; ``ValueError`` says which part is malformed."""
+        try:
+            return cls(
+                id=str(data["id"]),
+                tenant=str(data["tenant"]),
+                num_tokens=int(data["num_tokens"]),
+                num_blocks=int(data["num_blocks"]),
+                turns=int(data["turns"]),
+                created_at=float(data["created_at"]),
+                last_used_at=float(data["last_used_at"]),
+                pinned=bool(data["pinned"]),
+                ttl_seconds=_opt_float(data.get("ttl_seconds")),
+                expires_at=_opt_float(data.get("expires_at")),
+                tiers={
+                    str(name): TierUsage(blocks=int(u["blocks"]), bytes=int(u["bytes"]))
+                    for name, u in (data.get("tiers") or {}).items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a Session: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """Answer of the prefetch endpoint: the session's KV is in RAM now."""
+
+    id: str
+    """The session prefetched."""
+    blocks: int
+    """Blocks of the session."""
+    ram_blocks: int
+    """Blocks in RAM once the prefetch finished."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrefetchResult:
+        """Parse the prefetch answer; ``ValueError`` if it is malformed."""
+        try:
+            return cls(str(data["id"]), int(data["blocks"]), int(data["ram_blocks"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a prefetch answer: {exc!r}") from exc
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
