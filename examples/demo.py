@@ -29,11 +29,11 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = (
-    "You are a friendly travel guide. Answer in one or two short sentences. "
-    "Background for the whole conversation: the traveller is planning a week in France, "
-    "likes museums, good bread, trains rather than cars, quiet mornings and long walks, "
-    "has visited Italy before, travels in late spring, always answers in English, "
-    "and wants to see Paris, Lyon and the Atlantic coast without hurrying."
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. "
+    "Answer in English, in one or two short sentences. "
+    "Notes about the user for the whole conversation: they plan a one-week trip in late "
+    "spring, like museums, good bread, trains rather than cars, quiet mornings and long "
+    "walks, have been to Italy before, and want to see two or three cities without hurrying."
 )
 QUESTIONS = [
     "What is the capital of France?",

@@ -24,6 +24,8 @@ from server.config import ConfigError, ServerConfig
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
 
+TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+"""ChatML with hermes-style tool calls, for ChatML models whose template has no tools."""
 CONNECTOR_NAME = "SessionKVConnector"
 CONNECTOR_MODULE = "server.kv.connector"
 
@@ -56,6 +58,21 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
         )
     model = str(path) if looks_local else config.model
     return model, config.served_model_name or model
+
+
+def tool_template_for(model: str) -> Path | None:
+    """:data:`TOOL_TEMPLATE` when ``model`` is a local ChatML model whose own chat template
+    knows nothing of tools (SmolLM2), so tool definitions reach the prompt and tool turns
+    render; else ``None`` (the model's own template)."""
+    folder = Path(model)
+    own = ""
+    if (folder / "chat_template.jinja").is_file():
+        own = (folder / "chat_template.jinja").read_text()
+    elif (folder / "tokenizer_config.json").is_file():
+        own = str(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    if "<|im_start|>" in own and "tools" not in own:
+        return TOOL_TEMPLATE
+    return None
 
 
 def _on_cpu() -> bool:
@@ -100,11 +117,13 @@ def vllm_argv(config: ServerConfig) -> list[str]:
         argv.append("--enforce-eager")
     if config.tool_call_parser:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+        template = tool_template_for(model)
+        if template is not None and not _has_flag(config.vllm_args, "--chat-template"):
+            argv += ["--chat-template", str(template)]
     if config.api_keys:
         argv += ["--api-key", *config.api_keys]
     if config.kv_offload:
-        if any(a.split("=")[0] in ("--kv-transfer-config", "--kv_transfer_config")
-               for a in config.vllm_args):  # fmt: skip
+        if _has_flag(config.vllm_args, "--kv-transfer-config"):
             raise ConfigError(
                 "--kv-transfer-config conflicts with the session KV connector; "
                 "add --no-kv-offload to run your own connector."
@@ -117,6 +136,11 @@ def vllm_argv(config: ServerConfig) -> list[str]:
         }
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     return argv + list(config.vllm_args)
+
+
+def _has_flag(args: tuple[str, ...], flag: str) -> bool:
+    names = {flag, flag.replace("-", "_").replace("__", "--", 1)}
+    return any(a.split("=", 1)[0] in names for a in args)
 
 
 def vllm_parser() -> argparse.ArgumentParser:

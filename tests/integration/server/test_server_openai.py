@@ -81,19 +81,44 @@ def test_streaming_chat(lgkv_server: ServerProcess) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
-def test_tools_are_accepted_with_auto_choice(lgkv_server: ServerProcess) -> None:
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-    r = _chat(
-        lgkv_server, [{"role": "user", "content": "Weather?"}], tools=[tool], tool_choice="auto"
-    )
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_reach_the_prompt_with_auto_choice(lgkv_server: ServerProcess) -> None:
+    question = [{"role": "user", "content": "Weather?"}]
+    plain = _chat(lgkv_server, question)
+    r = _chat(lgkv_server, question, tools=[WEATHER_TOOL], tool_choice="auto")
     assert r.status_code == 200, r.text
+    # The bundled ChatML tool template lists the tool in the system turn.
+    assert r.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 30
+
+
+def test_a_tool_call_round_trip_renders(lgkv_server: ServerProcess) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"},
+    ]
+    r = _chat(lgkv_server, messages, tools=[WEATHER_TOOL], prompt_cache_key="tool-loop")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_second_turn_reports_cached_tokens(lgkv_server: ServerProcess) -> None:

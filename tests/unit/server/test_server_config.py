@@ -175,3 +175,42 @@ def test_default_model_missing_says_how_to_build_it(
     monkeypatch.setenv("LGKV_MODEL_DIR", str(tmp_path / "nothing"))
     with pytest.raises(ModelNotFoundError, match=r"make setup.*python -m server.model"):
         resolve_model(ServerConfig())
+
+
+def test_chatml_models_without_tools_get_the_tool_template(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    from server.engine import TOOL_TEMPLATE, tool_template_for
+
+    assert tool_template_for(str(smollm2_dir)) == TOOL_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text("{{ tools }}<|im_start|>")
+    assert tool_template_for(str(tmp_path)) is None  # has its own tool support
+    assert tool_template_for("org/hub-model") is None
+
+
+def test_tool_template_renders_like_smollm2_without_tools(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from server.engine import TOOL_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ours = TOOL_TEMPLATE.read_text()
+    for messages in (
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "more"},
+        ],
+    ):
+        own = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        mine = tok.apply_chat_template(
+            messages, chat_template=ours, tokenize=False, add_generation_prompt=True
+        )
+        assert mine == own
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with_tools = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], chat_template=ours, tools=tools, tokenize=False
+    )
+    assert '<tools>\n{"type": "function"' in with_tools
