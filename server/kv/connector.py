@@ -32,6 +32,7 @@ from server.kv.metadata import StepPlan, WorkerReport
 from server.kv.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.disk import DiskStore, Manifest
+from server.kv.tiers.redis import RedisStore
 from server.kv.worker import SessionKVWorker
 
 if TYPE_CHECKING:
@@ -110,6 +111,11 @@ class SessionKVConnector(KVConnectorBase_V1):
         store = (
             DiskStore(self.settings.disk_dir, manifest) if self.settings.disk_bytes > 0 else None
         )
+        redis = (
+            RedisStore(self.settings.redis_url, manifest, ttl_s=self.settings.redis_ttl_s)
+            if self.settings.redis_url
+            else None
+        )
         num_slots = self.settings.ram_bytes // manifest.block_bytes
         self.scheduler: SessionKVScheduler | None = None
         self.worker: SessionKVWorker | None = None
@@ -120,6 +126,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 block_bytes=manifest.block_bytes,
                 file_bytes=store.file_bytes if store else manifest.block_bytes,
                 disk_files=store.scan() if store else {},
+                redis=redis,
             )
             log.info(
                 "SessionKVConnector: %d RAM slots of %d bytes, disk %s (%d bytes budget)",
@@ -134,6 +141,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 layers=list(manifest.layers),
                 layer_block_bytes=list(manifest.layer_block_bytes),
                 store=store,
+                redis=redis,
             )
 
     @property

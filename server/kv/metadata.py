@@ -15,14 +15,19 @@ NO_SLOT = -1
 
 @dataclass(frozen=True)
 class LoadItem:
-    """Copy one block into the paged cache: from RAM slot ``slot`` or from disk.
-
-    A disk item with a slot reads the file into that slot first (promoting it to RAM)."""
+    """Copy one block into the paged cache from ``source``: "ram" (slot ``slot``), "disk" or
+    "redis". A disk or Redis item with a slot reads into that slot first (promoting it to RAM).
+    """
 
     block_id: int
     key: str
     slot: int
-    from_disk: bool
+    source: str
+
+    @property
+    def from_disk(self) -> bool:
+        """True for a read on the I/O thread (disk or Redis)."""
+        return self.source != "ram"
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class SaveItem:
     key: str
     slot: int
     to_disk: bool
+    to_redis: bool = False
 
 
 @dataclass
@@ -75,6 +81,8 @@ class WorkerReport:
     """Keys whose disk file was written."""
     write_failed: list[str] = field(default_factory=list)
     """Keys whose disk write failed (disk full, I/O error)."""
+    redis_written: list[str] = field(default_factory=list)
+    """Keys stored in Redis."""
     read_ok: list[str] = field(default_factory=list)
     """Keys read from disk into their RAM slot (loads with a slot, prefetch)."""
     read_failed: list[str] = field(default_factory=list)
@@ -92,6 +100,7 @@ class WorkerReport:
             saved=self.saved + other.saved,
             written=self.written + other.written,
             write_failed=self.write_failed + other.write_failed,
+            redis_written=self.redis_written + other.redis_written,
             read_ok=self.read_ok + other.read_ok,
             read_failed=self.read_failed + other.read_failed,
             released_slots=self.released_slots + other.released_slots,
@@ -106,6 +115,7 @@ class WorkerReport:
                 self.saved,
                 self.written,
                 self.write_failed,
+                self.redis_written,
                 self.read_ok,
                 self.read_failed,
                 self.released_slots,

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS session_blocks (
 CREATE INDEX IF NOT EXISTS session_blocks_key ON session_blocks (key);
 CREATE TABLE IF NOT EXISTS blocks (
     key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL,
-    ram INTEGER NOT NULL DEFAULT 0, disk INTEGER NOT NULL DEFAULT 0
+    ram INTEGER NOT NULL DEFAULT 0, disk INTEGER NOT NULL DEFAULT 0,
+    redis INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
@@ -100,6 +101,9 @@ class Registry:
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():
                     db.execute(stmt)
+            cols = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
+            if "redis" not in cols:  # registries from before the Redis tier
+                db.execute("ALTER TABLE blocks ADD COLUMN redis INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -303,18 +307,19 @@ class Registry:
 
     # ------------------------------------------------------------------- blocks
 
-    def set_block_tiers(self, updates: dict[str, tuple[bool, bool, int]]) -> None:
-        """Publish where blocks are: key -> (in RAM, on disk, bytes); rows in no tier go."""
+    def set_block_tiers(self, updates: dict[str, tuple[bool, bool, bool, int]]) -> None:
+        """Publish where blocks are: key -> (in RAM, on disk, in Redis, bytes); rows in no
+        tier go."""
         if not updates:
             return
         with self._write() as db:
-            for key, (ram, disk, nbytes) in updates.items():
-                if ram or disk:
+            for key, (ram, disk, redis, nbytes) in updates.items():
+                if ram or disk or redis:
                     db.execute(
-                        "INSERT INTO blocks (key, nbytes, ram, disk) VALUES (?, ?, ?, ?) "
+                        "INSERT INTO blocks (key, nbytes, ram, disk, redis) VALUES (?, ?, ?, ?, ?) "
                         "ON CONFLICT(key) DO UPDATE SET nbytes = excluded.nbytes, "
-                        "ram = excluded.ram, disk = excluded.disk",
-                        (key, nbytes, int(ram), int(disk)),
+                        "ram = excluded.ram, disk = excluded.disk, redis = excluded.redis",
+                        (key, nbytes, int(ram), int(disk), int(redis)),
                     )
                 else:
                     db.execute("DELETE FROM blocks WHERE key = ?", (key,))
@@ -328,14 +333,15 @@ class Registry:
         """Blocks and bytes of a session's distinct blocks per tier ("ram", "disk", "redis")."""
         row = self._read(
             "SELECT coalesce(sum(b.ram), 0), coalesce(sum(b.ram * b.nbytes), 0), "
-            "coalesce(sum(b.disk), 0), coalesce(sum(b.disk * b.nbytes), 0) FROM blocks b "
+            "coalesce(sum(b.disk), 0), coalesce(sum(b.disk * b.nbytes), 0), "
+            "coalesce(sum(b.redis), 0), coalesce(sum(b.redis * b.nbytes), 0) FROM blocks b "
             "WHERE b.key IN (SELECT key FROM session_blocks WHERE tenant = ? AND session_id = ?)",
             (tenant, session_id),
         )[0]
         return {
             "ram": TierCount(int(row[0]), int(row[1])),
             "disk": TierCount(int(row[2]), int(row[3])),
-            "redis": TierCount(0, 0),
+            "redis": TierCount(int(row[4]), int(row[5])),
         }
 
     def add_drops(self, keys: Iterable[str]) -> None:

@@ -18,21 +18,24 @@ Verbs, per request:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.kv.index import BlockIndex
+from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.policy import EvictionPolicy
 from server.kv.registry import Registry
 from server.kv.settings import ConnectorSettings
+from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
 PREFETCH_OP = "prefetch"
+_NO_STATE = BlockState("")
 _PURGE_EVERY_S = 10.0
 
 
@@ -52,6 +55,7 @@ class _Lookup:
     start: int
     keys: list[str]
     tiers: list[str]
+    misses: int
 
 
 class SessionKVScheduler:
@@ -66,12 +70,16 @@ class SessionKVScheduler:
         file_bytes: int,
         disk_files: dict[str, int],
         registry: Registry | None = None,
+        redis: RedisStore | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
         self.registry = registry or Registry(settings.registry_path)
+        self.redis = redis
+        self._redis_until: dict[str, float] = {}
+        """Blocks this engine put in Redis and when their TTL ends (for tier counts)."""
         self.policy = EvictionPolicy(settings.default_gap_s, settings.min_gap_s)
         num_slots = settings.ram_bytes // block_bytes if block_bytes else 0
         self.index = BlockIndex(
@@ -118,47 +126,60 @@ class SessionKVScheduler:
                 break
             keys.append(key)
             tiers.append(tier)
-        self._count("lgkv_miss_blocks_total", max(0, end - start - len(keys)))
+        if self.redis is not None and start + len(keys) < end:
+            rest = [block_key(h) for h in hashes[start + len(keys) : end]]
+            for key, found in zip(rest, self.redis.exists_many(rest), strict=True):
+                if not found:
+                    break
+                keys.append(key)
+                tiers.append("redis")
+        misses = max(0, end - start - len(keys))
+        self._lookups[request.request_id] = _Lookup(start, keys, tiers, misses)
         if not keys:
-            self._lookups.pop(request.request_id, None)
             return 0, False
-        self._lookups[request.request_id] = _Lookup(start, keys, tiers)
-        return len(keys) * self.block_size, "disk" in tiers
+        return len(keys) * self.block_size, any(t != "ram" for t in tiers)
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Turn the request's lookup into a load job on the blocks vLLM allocated."""
         lookup = self._lookups.pop(request.request_id, None)
-        if num_external_tokens == 0 or lookup is None:
+        if lookup is None:
             return
         count = num_external_tokens // self.block_size
+        self._count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
+        if count == 0:
+            return
         keys, tiers = lookup.keys[:count], lookup.tiers[:count]
         unslotted = [
             k
             for k, t in zip(keys, tiers, strict=True)
-            if t == "disk" and self.index.blocks[k].slot == NO_SLOT
+            if t != "ram" and self.index.blocks.get(k, _NO_STATE).slot == NO_SLOT
         ]
         promote = self.index.alloc_slots(len(unslotted), protect=set(keys))
         items: list[LoadItem] = []
-        for offset, (key, tier) in enumerate(zip(keys, tiers, strict=False)):
-            state = self.index.blocks[key]
+        for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
             block_id = block_ids[lookup.start + offset]
-            if tier == "ram":
-                state.locks += 1
-                items.append(LoadItem(block_id, key, state.slot, from_disk=False))
-            else:
-                slot = NO_SLOT
-                if promote and state.slot == NO_SLOT:
-                    slot = promote.pop()
-                    state.slot, state.ram_ready = slot, False
-                    state.locks += 1
-                items.append(LoadItem(block_id, key, slot, from_disk=True))
-            self.index.touch(key)
             self._count(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 1)
+            self.index.touch(key)
+            if tier == "ram":
+                state = self.index.blocks[key]
+                state.locks += 1
+                items.append(LoadItem(block_id, key, state.slot, "ram"))
+                continue
+            slot = NO_SLOT
+            state = self.index.blocks.get(key)
+            if promote and (state is None or state.slot == NO_SLOT):
+                slot = promote.pop()
+                state = self.index.blocks.setdefault(key, BlockState(key))
+                state.slot, state.ram_ready = slot, False
+                state.locks += 1
+            items.append(LoadItem(block_id, key, slot, tier))
         for slot in promote:  # not needed after all
             self.index.free_slots.append(slot)
-        self._plan.loads.append(LoadJob(request.request_id, tuple(items), "disk" in tiers))
+        self._plan.loads.append(
+            LoadJob(request.request_id, tuple(items), any(t != "ram" for t in tiers))
+        )
 
     # -------------------------------------------------------------------- plans
 
@@ -201,7 +222,7 @@ class SessionKVScheduler:
         for (block_id, key), slot in zip(wanted, slots, strict=False):
             to_disk = self.index.reserve_disk(protect=keys)
             self.index.new_block(key, slot, to_disk)
-            self._plan.saves.append(SaveItem(block_id, key, slot, to_disk))
+            self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, self.redis is not None))
         if len(slots) < len(wanted):
             log.warning(
                 "RAM tier full of locked blocks: %d blocks not saved", len(wanted) - len(slots)
@@ -219,6 +240,9 @@ class SessionKVScheduler:
             self.index.read_ok(key)
         for key in report.written:
             self.index.written(key)
+        for key in report.redis_written:
+            self._redis_until[key] = time.time() + self.settings.redis_ttl_s
+            self.index.dirty.add(key)
         for key in report.write_failed + report.read_failed:
             self.index.disk_lost(key)
         for slot in report.released_slots:
@@ -272,14 +296,22 @@ class SessionKVScheduler:
         if not force and now - self._last_flush < self.settings.stats_flush_s:
             return
         self._last_flush = now
+        wall = time.time()
+        for key in [k for k, until in self._redis_until.items() if until < wall]:
+            del self._redis_until[key]  # expired in Redis by now
+            self.index.dirty.add(key)
         dirty, self.index.dirty = self.index.dirty, set()
-        updates = {k: (*self.index.location(k), self.block_bytes) for k in dirty}
+        updates = {
+            k: (*self.index.location(k), k in self._redis_until, self.block_bytes) for k in dirty
+        }
         ram, disk = self.index.ram_blocks(), self.index.disk_blocks()
         gauges = {
             'lgkv_tier_blocks{tier="ram"}': float(ram),
             'lgkv_tier_bytes{tier="ram"}': float(ram * self.block_bytes),
             'lgkv_tier_blocks{tier="disk"}': float(disk),
             'lgkv_tier_bytes{tier="disk"}': float(self.index.disk_used),
+            'lgkv_tier_blocks{tier="redis"}': float(len(self._redis_until)),
+            'lgkv_tier_bytes{tier="redis"}': float(len(self._redis_until) * self.block_bytes),
         }
         counters = dict(self._counters)
         for tier, n in self.index.evicted.items():
@@ -340,8 +372,7 @@ class SessionKVScheduler:
         now = time.monotonic()
         if now - self._last_purge > _PURGE_EVERY_S:
             self._last_purge = now
-            for key in self.registry.purge_expired():
-                self.index.drop(key)
+            self._drop(self.registry.purge_expired())
         try:
             version = self.registry.data_version()
         except Exception:
@@ -351,9 +382,17 @@ class SessionKVScheduler:
             return
         self._data_version = version
         self._drop_seq, dropped = self.registry.drops_after(self._drop_seq)
-        for key in dropped:
-            self.index.drop(key, remove_file=True)
+        self._drop(dropped)
         self._load_snapshot()
+
+    def _drop(self, keys: list[str]) -> None:
+        """Forget blocks in every tier (their sessions were deleted or expired)."""
+        for key in keys:
+            self.index.drop(key, remove_file=True)
+            self._redis_until.pop(key, None)
+        if self.redis is not None and keys:
+            with contextlib.suppress(OSError):  # else they expire with their TTL
+                self.redis.remove_many(keys)
 
     def _load_snapshot(self) -> None:
         sessions, refs = self.registry.policy_snapshot()

@@ -35,7 +35,10 @@ class ConnectorSettings:
     """Byte budget of the disk tier; 0 disables the disk tier."""
 
     redis_url: str | None = None
-    """Optional Redis URL of a shared tier (not used by this version; accepted and logged)."""
+    """Optional Redis URL of a shared tier (every saved block also goes there, with a TTL)."""
+
+    redis_ttl_s: float = 3600.0
+    """Seconds a block stays in Redis after its last write or read."""
 
     default_ttl_s: float | None = None
     """TTL given to sessions created implicitly by a request (None: no expiry)."""
@@ -89,6 +92,7 @@ class ConnectorSettings:
             redis_url=redis_url or None,
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
+            redis_ttl_s=_positive_float(extra, "redis_ttl_s", 3600.0),
             stats_flush_s=_positive_float(extra, "stats_flush_s", 1.0),
             default_gap_s=_positive_float(extra, "default_gap_s", 60.0),
             min_gap_s=_positive_float(extra, "min_gap_s", 30.0),

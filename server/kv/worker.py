@@ -27,6 +27,7 @@ import torch
 from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool
+from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class _Read:
     key: str
     slot: int
     buffer: torch.Tensor
+    source: str = "disk"
     item: LoadItem | None = None
     req_id: str | None = None
     error: str | None = None
@@ -59,11 +61,13 @@ class SessionKVWorker:
         layers: list[str],
         layer_block_bytes: list[int],
         store: DiskStore | None,
+        redis: RedisStore | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.layers = layers
         self.layer_block_bytes = layer_block_bytes
         self.store = store
+        self.redis = redis
         self.pool: RamPool | None = None
         self.kv: list[torch.Tensor] = []
         self._report = WorkerReport()
@@ -123,7 +127,9 @@ class SessionKVWorker:
             self._loads[job.req_id] = _AsyncLoad(job.req_id, len(disk), started)
             for item in disk:
                 self._queue_read(
-                    _Read(item.key, item.slot, self._buffer(item.slot), item, job.req_id)
+                    _Read(
+                        item.key, item.slot, self._buffer(item.slot), item.source, item, job.req_id
+                    )
                 )
         for key, slot in plan.reads:
             self._queue_read(_Read(key, slot, self._buffer(slot)))
@@ -139,8 +145,13 @@ class SessionKVWorker:
             self._jobs.put(("remove", key))
         if self.pool is not None:
             for item in plan.saves:
+                if not (item.to_disk or item.to_redis):
+                    continue
+                data = self.pool.slot(item.slot).clone()
                 if item.to_disk:
-                    self._jobs.put(("write", (item.key, self.pool.slot(item.slot).clone())))
+                    self._jobs.put(("write", (item.key, data)))
+                if item.to_redis:
+                    self._jobs.put(("redis_write", (item.key, data)))
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Apply finished disk jobs; return (finished async loads, failed paged block ids)."""
@@ -158,6 +169,8 @@ class SessionKVWorker:
                 self._report.save_seconds.append(seconds)
             elif kind == "write_failed":
                 self._report.write_failed.append(payload)  # type: ignore[arg-type]
+            elif kind == "redis_written":
+                self._report.redis_written.append(payload)  # type: ignore[arg-type]
         finished, self._finished_loads = self._finished_loads, set()
         errors, self._load_errors = self._load_errors, set()
         return finished, errors
@@ -222,14 +235,22 @@ class SessionKVWorker:
         store = self.store
         if kind == "read":
             assert isinstance(payload, _Read)
-            if store is None:
-                payload.error = "no disk tier"
+            source = self.redis if payload.source == "redis" else store
+            if source is None:
+                payload.error = f"no {payload.source} tier"
             else:
                 try:
-                    store.read_into(payload.key, memoryview(payload.buffer.numpy()))
+                    source.read_into(payload.key, memoryview(payload.buffer.numpy()))
                 except OSError as e:
                     payload.error = str(e)
             self._done.put(("read", payload))
+        elif kind == "redis_write" and self.redis is not None:
+            key, data = payload  # type: ignore[misc]
+            try:
+                self.redis.write(key, memoryview(data.numpy()))
+                self._done.put(("redis_written", key))
+            except OSError as e:
+                log.debug("KV block %s not written to redis: %s", key[:16], e)
         elif kind == "write" and store is not None:
             key, data = payload  # type: ignore[misc]
             started = time.perf_counter()

@@ -98,8 +98,7 @@ class DiskStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{key}"
-        kb = key.encode()
-        head = _HEAD.pack(_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
+        head = block_header(key, data)
         try:
             with open(tmp, "wb") as f:
                 f.write(head)
@@ -159,6 +158,31 @@ class DiskStore:
                     with contextlib.suppress(OSError):
                         found[key] = path.stat().st_size
         return found
+
+
+def block_header(key: str, data: memoryview) -> bytes:
+    """The header stored in front of a block's bytes (magic, key, length, CRC32)."""
+    kb = key.encode()
+    return _HEAD.pack(_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
+
+
+def parse_block(raw: bytes, key: str, out: memoryview, where: str) -> None:
+    """Check a stored block (header + payload) and copy its payload into ``out``."""
+    dest = memoryview(out).cast("B")
+    if len(raw) < _HEAD.size:
+        raise BlockFileError(f"{where}: truncated header")
+    magic, key_len, length, crc = _HEAD.unpack_from(raw)
+    if magic != _MAGIC:
+        raise BlockFileError(f"{where}: not a block")
+    start = _HEAD.size + key_len
+    if raw[_HEAD.size : start] != key.encode():
+        raise BlockFileError(f"{where}: holds another block")
+    if length != dest.nbytes or len(raw) != start + length:
+        raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")
+    payload = memoryview(raw)[start:]
+    if zlib.crc32(payload) != crc:
+        raise BlockFileError(f"{where}: checksum mismatch")
+    dest[:] = payload
 
 
 def remove_block_files(disk_dir: Path, keys: Iterable[str]) -> int:

@@ -77,3 +77,43 @@ def test_prefetch_through_async_engine_in_another_process(
     reg.close()
     assert stats['lgkv_hit_blocks_total{tier="ram"}'] == 3  # prefetched: no disk hit needed
     assert stats.get('lgkv_hit_blocks_total{tier="disk"}', 0) == 0
+
+
+@pytest.mark.redis
+def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import uuid
+
+    import redis
+
+    url = "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    model = kv_model(tiny_model_dir)
+    prompt = [900 + i for i in range(3 * BLOCK + 20)]
+    model_id = f"replica-test-{uuid.uuid4().hex}"  # a fresh Redis namespace; keys expire
+
+    def replica(name: str) -> dict:
+        engine = engine_kwargs(model, tmp_path / name)
+        engine["kv_connector_extra_config"].update(
+            redis_url=url, model_id=model_id, redis_ttl_s=120
+        )
+        return engine
+
+    first = run_engine_script(
+        {
+            "engine": replica("a"),
+            "turns": [{"prompt": prompt, "session": "A"}, {"prompt": prompt, "cache": False}],
+        },
+        tmp_path,
+    )
+    (hit,) = run_engine_script(
+        {"engine": replica("b"), "turns": [{"prompt": prompt, "session": "A"}]}, tmp_path
+    )
+    assert hit["num_cached_tokens"] == 3 * BLOCK  # replica b has no disk files of its own
+    assert hit["tokens"] == first[1]["tokens"]
+    assert hit["logprobs"] == pytest.approx(first[1]["logprobs"], abs=1e-3)
+    reg = Registry(tmp_path / "b" / "sessions.sqlite3")
+    assert reg.stats()['lgkv_hit_blocks_total{tier="redis"}'] == 3
+    reg.close()

@@ -71,7 +71,9 @@ def test_turns_gaps_and_block_tiers(control: SessionControl, tmp_path: Path) -> 
     row = reg.get_session("t", "s")
     assert row is not None and (row.turns, row.num_tokens, row.num_blocks) == (3, 420, 3)
     assert (row.gap_count, row.gap_mean) == (2, pytest.approx(15.0))
-    reg.set_block_tiers({_keys("a")[0]: (True, True, 10), _keys("b")[0]: (False, True, 10)})
+    reg.set_block_tiers(
+        {_keys("a")[0]: (True, True, False, 10), _keys("b")[0]: (False, True, True, 10)}
+    )
     info = control.get("s", "t")
     assert (info.tiers["ram"].blocks, info.tiers["disk"].blocks, info.tiers["disk"].bytes) == (
         1,

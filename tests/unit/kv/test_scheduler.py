@@ -126,6 +126,14 @@ def test_save_then_hit_from_ram_is_synchronous(tmp_path: Path) -> None:
     req = Req("r2", [*p, 9, 9, 9], "s")
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
     assert sched.get_num_new_matched_tokens(req, BS) == (2 * BS, False)  # beyond a local hit
+    sched.update_state_after_alloc(req, [5, 6, 7, 8], 2 * BS)
+    (job,) = sched.build_plan([], {}).loads
+    assert not job.is_async and [(i.block_id, i.source) for i in job.items] == [
+        (6, "ram"),
+        (7, "ram"),
+    ]
+    sched.flush(force=True)
+    assert sched.registry.stats()['lgkv_hit_blocks_total{tier="ram"}'] == 2
     check_slots(sched.index)
     row = sched.registry.get_session("t", "s")
     assert row is not None and row.num_blocks == 3 and row.turns == 1
@@ -150,7 +158,7 @@ def test_disk_hit_is_async_and_promotes(tmp_path: Path) -> None:
     plan = sched.build_plan([], {})
     (job,) = plan.loads
     assert job.is_async and [i.block_id for i in job.items] == [7, 8, 9]
-    assert all(i.from_disk and i.slot != NO_SLOT for i in job.items)
+    assert all(i.source == "disk" and i.slot != NO_SLOT for i in job.items)
     report(sched, plan)
     assert {sched.index.tier_of(i.key) for i in job.items} == {"ram"}
     check_slots(sched.index)

@@ -1,0 +1,106 @@
+"""The optional Redis tier: the same checked blocks in a shared Redis, each with a TTL.
+
+Keys are ``lgkv:<manifest fingerprint>:<block key>``, so replicas serving the same model share
+blocks and a different model never reads them. Values use the disk tier's format (header with
+key, length and CRC32, then the payload). Redis decides eviction (TTL and its own memory
+policy), so the scheduler side asks Redis which blocks exist instead of indexing them.
+
+Any Redis error (down, timeout, evicted, damaged value) is an ``OSError``: the caller treats it
+as a miss. After an error the store stays quiet for ``retry_after_s`` (every call is a miss)
+so a dead Redis does not slow the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from server.kv.tiers.disk import BlockFileError, Manifest, block_header, parse_block
+
+log = logging.getLogger(__name__)
+
+
+class RedisUnavailable(OSError):
+    """Redis is down or timed out (recently); treat as a miss."""
+
+
+class RedisStore:
+    """Blocks in Redis; thread-safe (redis-py clients use a connection pool)."""
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        *,
+        ttl_s: float,
+        timeout_s: float = 0.5,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        import redis
+
+        self.prefix = f"lgkv:{manifest.fingerprint()}:"
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.retry_after_s = retry_after_s
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def write(self, key: str, payload: memoryview) -> None:
+        """Store a block with the TTL."""
+        data = memoryview(payload).cast("B")
+        value = block_header(key, data) + data.tobytes()
+        self._call(lambda: self._client.set(self.prefix + key, value, px=self.ttl_ms))
+
+    def read_into(self, key: str, out: memoryview) -> None:
+        """Fill ``out`` with the block (and refresh its TTL)."""
+        raw = self._call(lambda: self._client.getex(self.prefix + key, px=self.ttl_ms))
+        if raw is None:
+            raise BlockFileError(f"redis {key[:16]}: missing (expired or evicted)")
+        parse_block(raw, key, out, f"redis {key[:16]}")
+
+    def remove(self, key: str) -> bool:
+        """Delete a block."""
+        return bool(self._call(lambda: self._client.delete(self.prefix + key)))
+
+    def remove_many(self, keys: Sequence[str]) -> int:
+        """Delete several blocks; count deleted."""
+        if not keys:
+            return 0
+        return int(self._call(lambda: self._client.delete(*[self.prefix + k for k in keys])))
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` Redis holds now (all False while Redis is unavailable)."""
+        if not keys:
+            return []
+        try:
+
+            def query() -> list[int]:
+                pipe = self._client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.exists(self.prefix + k)
+                return pipe.execute()
+
+            return [bool(n) for n in self._call(query)]
+        except OSError:
+            return [False] * len(keys)
+
+    def scan(self) -> dict[str, int]:
+        """Not indexed: Redis is asked per lookup (see module docstring)."""
+        return {}
+
+    def _call(self, fn):  # type: ignore[no-untyped-def]
+        if time.monotonic() < self._down_until:
+            raise RedisUnavailable("redis tier unavailable (recent error)")
+        try:
+            return fn()
+        except self._errors as e:
+            with self._lock:
+                if time.monotonic() >= self._down_until:
+                    log.warning("redis tier unavailable for %.0f s: %s", self.retry_after_s, e)
+                self._down_until = time.monotonic() + self.retry_after_s
+            raise RedisUnavailable(str(e)) from e

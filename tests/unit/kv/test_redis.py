@@ -1,0 +1,113 @@
+"""The Redis tier against the real Redis on 127.0.0.1:6379: checked blocks, TTL, outages,
+and a second scheduler (another replica) finding blocks the first one stored."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from server.kv.keys import block_key
+from server.kv.metadata import WorkerReport
+from server.kv.tiers.disk import BlockFileError, Manifest
+from server.kv.tiers.redis import RedisStore, RedisUnavailable
+
+pytestmark = pytest.mark.redis
+URL = "redis://127.0.0.1:6379/0"
+KEY = "ab" * 32
+
+
+@pytest.fixture
+def manifest() -> Iterator[Manifest]:
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(URL)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    m = Manifest(f"test-{uuid.uuid4().hex}", "torch.float32", 4, ("l0",), (100,), "sha256:x")
+    yield m
+    for k in client.scan_iter(f"lgkv:{m.fingerprint()}:*"):
+        client.delete(k)
+
+
+def test_roundtrip_ttl_and_damage(manifest: Manifest) -> None:
+    import redis
+
+    store = RedisStore(URL, manifest, ttl_s=30)
+    data = bytes(range(100))
+    store.write(KEY, memoryview(data))
+    out = bytearray(100)
+    store.read_into(KEY, memoryview(out))
+    assert bytes(out) == data
+    assert store.exists_many([KEY, "cd" * 32]) == [True, False]
+    client = redis.Redis.from_url(URL)
+    ttl = client.pttl(store.prefix + KEY)
+    assert 0 < ttl <= 30_000
+    raw = bytearray(client.get(store.prefix + KEY))
+    raw[-1] ^= 1
+    client.set(store.prefix + KEY, bytes(raw))
+    with pytest.raises(BlockFileError, match="checksum"):
+        store.read_into(KEY, memoryview(out))
+    assert store.remove_many([KEY]) == 1
+    with pytest.raises(BlockFileError, match="missing"):
+        store.read_into(KEY, memoryview(out))
+
+
+def test_redis_down_is_a_miss(manifest: Manifest) -> None:
+    store = RedisStore("redis://127.0.0.1:1/0", manifest, ttl_s=30, timeout_s=0.2)
+    with pytest.raises(RedisUnavailable):
+        store.write(KEY, memoryview(bytes(100)))
+    assert store.exists_many([KEY]) == [False]  # and no wait: the store stays quiet a while
+    with pytest.raises(OSError):
+        store.read_into(KEY, memoryview(bytearray(100)))
+
+
+def test_second_replica_hits_from_redis(manifest: Manifest, tmp_path: Path) -> None:
+    from test_scheduler import BB, BS, FB, Req, prompt  # same folder
+
+    from server.kv.scheduler import SessionKVScheduler
+    from server.kv.settings import ConnectorSettings
+
+    def replica(name: str) -> SessionKVScheduler:
+        settings = ConnectorSettings.from_extra_config(
+            {
+                "cache_dir": str(tmp_path / name),
+                "ram_bytes": 4 * BB,
+                "disk_bytes": 4 * FB,
+                "redis_url": URL,
+                "stats_flush_s": 0.001,
+            }
+        )
+        return SessionKVScheduler(
+            settings,
+            block_size=BS,
+            block_bytes=BB,
+            file_bytes=FB,
+            disk_files={},
+            redis=RedisStore(URL, manifest, ttl_s=30),
+        )
+
+    first = replica("a")
+    p = prompt(1, 3)
+    req = Req("r1", p, "s")
+    first.get_num_new_matched_tokens(req, 0)
+    first.update_state_after_alloc(req, [], 0)
+    plan = first.build_plan([("r1", [1, 2, 3, 4], True, 0)], {"r1": len(p)})
+    assert all(s.to_redis for s in plan.saves)
+    for s in plan.saves:  # what the first replica's worker does with each saved block
+        first.redis.write(s.key, memoryview(bytes(BB)))
+    first.on_report(
+        WorkerReport(saved=[s.key for s in plan.saves], redis_written=[s.key for s in plan.saves])
+    )
+    assert first.registry.stats()['lgkv_tier_blocks{tier="redis"}'] == 3
+
+    second = replica("b")
+    req2 = Req("r2", p, "s")
+    assert second.get_num_new_matched_tokens(req2, 0) == (3 * BS, True)
+    second.update_state_after_alloc(req2, [7, 8, 9, 10], 3 * BS)
+    (job,) = second.build_plan([], {}).loads
+    assert [i.source for i in job.items] == ["redis"] * 3
+    assert {i.key for i in job.items} == {block_key(h) for h in req2.block_hashes}
