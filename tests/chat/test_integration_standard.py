@@ -103,8 +103,8 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
     def has_tool_calling(self) -> bool:
         # ChatKVCache passes tools through (tests/chat/test_chat_model.py checks the wire
         # format), but the standard checks need a model that calls magic_function(3) with
-        # {"input": 3}; SmolLM2-135M answers in text or with made-up arguments (seen:
-        # '<tool_call>{"name": "magic_function", "arguments": [1, 3, 4, ...' with "required").
+        # {"input": 3}; SmolLM2-135M answers in text ("auto") or, forced by "required", with
+        # made-up arguments (seen: {'type': 'integer', 'required': ['input', 'integer']}).
         return False
 
     @property
