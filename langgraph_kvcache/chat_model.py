@@ -14,7 +14,7 @@ with three differences:
    is, first match wins:
 
    - a per-call ``session_id=`` (or ``prompt_cache_key=``) keyword, also via ``.bind(...)``;
-   - the ``session_id`` field given to the constructor;
+   - the ``session_id`` field given to the constructor (or ``model_kwargs["prompt_cache_key"]``);
    - ``config["configurable"]["session_id"]`` of the config passed to ``invoke``/``stream``/...,
      or of the LangGraph node that is running;
    - ``session_id_for(thread_id, checkpoint_ns)`` from that config: the thread's session in
@@ -150,6 +150,8 @@ class ChatKVCache(ChatOpenAI):
             explicit = kwargs.get(SESSION_FIELD)
         if explicit is None:
             explicit = self.session_id
+        if explicit is None:
+            explicit = self.model_kwargs.get(SESSION_FIELD)
         if explicit is not None:
             return validate_session_id(str(explicit))
         return session_id_from_config(config if config is not None else current_config())

@@ -82,7 +82,11 @@ def test_explicit_session_beats_the_thread(recorder: Any) -> None:
     fixed.invoke("b", config=cfg, session_id="per-call")
     fixed.bind(session_id="bound").invoke("c", config=cfg)
     fixed.invoke("d", config=cfg, prompt_cache_key="raw-key")
-    assert sent_sessions(recorder) == ["fixed", "per-call", "bound", "raw-key"]
+    kwargs_model = ChatKVCache(
+        base_url=f"{recorder.url}/v1", model_kwargs={"prompt_cache_key": "mk"}, max_retries=0
+    )
+    kwargs_model.invoke("e", config=cfg)
+    assert sent_sessions(recorder) == ["fixed", "per-call", "bound", "raw-key", "mk"]
 
 
 def test_odd_thread_ids_are_mapped(recorder: Any, model: ChatKVCache) -> None:
