@@ -105,6 +105,11 @@ class SessionKVConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config
         )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            if role == KVConnectorRole.SCHEDULER:
+                log.info(
+                    "SessionKVConnector: kv_load_failure_policy set to 'recompute' "
+                    "(a block that fails to load is recomputed, never an error)"
+                )
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         manifest = build_manifest(vllm_config, kv_cache_config, self.settings)
         self._num_blocks = kv_cache_config.num_blocks

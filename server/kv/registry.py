@@ -48,6 +48,9 @@ CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEX
 CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
 """
 
+_DROPS_KEPT = 100_000
+"""How many newest ``drops`` rows are kept (older ones are deleted at TTL purges)."""
+
 _SESSION_COLS = (
     "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
     "gap_count, gap_mean"
@@ -297,6 +300,10 @@ class Registry:
             orphans: list[str] = []
             for tenant, sid in expired:
                 orphans.extend(_delete(db, tenant, sid) or [])
+            # Bounded history of drops: engines read them within seconds of their writing.
+            db.execute(
+                "DELETE FROM drops WHERE seq <= (SELECT max(seq) FROM drops) - ?", (_DROPS_KEPT,)
+            )
             return sorted(set(orphans))
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:

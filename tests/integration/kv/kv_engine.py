@@ -85,14 +85,14 @@ def engine_kwargs(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
 
 
 def transfer_config(extra: dict[str, Any]) -> Any:
-    """vLLM's KVTransferConfig selecting SessionKVConnector (as the app builds it)."""
+    """vLLM's KVTransferConfig selecting SessionKVConnector, as the app builds it (vLLM's
+    default kv_load_failure_policy="fail"; the connector switches it to "recompute")."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
         kv_connector="SessionKVConnector",
         kv_connector_module_path="server.kv.connector",
         kv_role="kv_both",
-        kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra,
     )
 
