@@ -10,6 +10,8 @@ file queue on the lock instead of failing).
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 from sqlalchemy import Engine, event
@@ -66,6 +68,20 @@ def engine_kwargs(url: URL) -> dict[str, Any]:
     return {}
 
 
+def _set_wal(cursor: Any) -> None:
+    """Switch a file database to WAL. Two processes opening a new file at once can see
+    ``database is locked`` here without the busy handler being consulted, so retry a while."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def prepare_engine(engine: Engine) -> None:
     """Install the SQLite listeners on ``engine`` (a sync engine or ``AsyncEngine.sync_engine``).
 
@@ -84,7 +100,7 @@ def prepare_engine(engine: Engine) -> None:
         try:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
             if file_db:
-                cursor.execute("PRAGMA journal_mode = WAL")
+                _set_wal(cursor)
         finally:
             cursor.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
+import traceback
 from typing import Any
 
 import pytest
@@ -78,25 +79,31 @@ def test_unsupported_url_says_what_to_use() -> None:
         normalize_url("mysql://u@h/db", asynchronous=False)
 
 
-def _process_writer(url: str, thread_id: str, barrier: Any) -> None:
-    barrier.wait()  # both processes run setup() and their writes at the same time
-    with SQLAlchemySaver.from_conn_string(url) as saver:
-        saver.setup()
-        _write_thread(saver, thread_id, N_PER_WRITER)
+def _process_writer(url: str, thread_id: str, barrier: Any, errors: Any) -> None:
+    try:
+        barrier.wait()  # both processes run setup() and their writes at the same time
+        with SQLAlchemySaver.from_conn_string(url) as saver:
+            saver.setup()
+            _write_thread(saver, thread_id, N_PER_WRITER)
+    except BaseException:
+        errors.put(f"{thread_id}: {traceback.format_exc()}")
+        raise
 
 
 def test_two_processes_one_sqlite_file(sqlite_url: str) -> None:
     ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(2)
+    barrier, errors = ctx.Barrier(2), ctx.Queue()
     procs = [
-        ctx.Process(target=_process_writer, args=(sqlite_url, f"proc-{i}", barrier))
+        ctx.Process(target=_process_writer, args=(sqlite_url, f"proc-{i}", barrier, errors))
         for i in range(2)
     ]
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(timeout=120)
-        assert proc.exitcode == 0
+        proc.join(timeout=300)
+    reported = [errors.get(timeout=1) for _ in range(errors.qsize())] if not errors.empty() else []
+    assert reported == [], "\n".join(reported)
+    assert [proc.exitcode for proc in procs] == [0, 0]
     with SQLAlchemySaver.from_conn_string(sqlite_url) as saver:
         assert _migration_versions(saver) == list(range(len(MIGRATIONS)))
         for i in range(2):
