@@ -22,7 +22,7 @@ from server.config import ConfigError, ServerConfig, env_settings, parse_seconds
 
 log = logging.getLogger("server")
 
-_OURS = "langgraph-kvcache (session KV cache; also LGKV_* environment variables)"
+_OURS = "The session KV cache (RAM + disk tiers). Each flag also reads an LGKV_* variable."
 
 
 def _size(text: str) -> int:
@@ -41,7 +41,7 @@ def _seconds(text: str) -> float | None:
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     """Our own flags (those vLLM does not have)."""
-    g = parser.add_argument_group(_OURS)
+    g = parser.add_argument_group("LangGraphKVCache", _OURS)
     g.add_argument("--kv-ram-bytes", type=_size, help="RAM tier budget (e.g. 2GiB)")
     g.add_argument("--kv-disk-dir", type=Path, help="block files folder (<cache-dir>/blocks)")
     g.add_argument("--kv-disk-bytes", type=_size, help="disk tier budget; 0 turns it off")
@@ -52,7 +52,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-session-ttl", type=_seconds, help="default session TTL in seconds")
     g.add_argument("--kv-redis-url", help="shared Redis tier, redis://host:6379/0")
     g.add_argument("--cache-dir", type=Path, help="session registry + blocks folder")
-    g.add_argument("--max-body-bytes", type=_size, help="largest request body (8MiB)")
+    g.add_argument("--max-body-bytes", type=_size, help="largest request body")
 
 
 def _own_parser() -> argparse.ArgumentParser:
@@ -73,13 +73,41 @@ def _own_parser() -> argparse.ArgumentParser:
 
 
 def help_parser() -> argparse.ArgumentParser:
-    """vLLM's serve parser with our group added, for ``--help``."""
+    """vLLM's serve parser with our group added and our defaults shown, for ``--help``."""
     from server.engine import vllm_parser
+    from server.model import DEFAULT_MODEL_NAME, default_model_dir
 
     parser = vllm_parser()
     parser.prog = "langgraph-kvcache serve"
     add_kv_arguments(parser)
+    try:
+        cfg = ServerConfig.from_env()
+    except ConfigError:
+        cfg = ServerConfig()
+    parser.set_defaults(
+        model=cfg.model or str(default_model_dir()),
+        served_model_name=cfg.served_model_name or f"{DEFAULT_MODEL_NAME} (default model)",
+        dtype=f"{cfg.dtype} (float32 on CPU)" if cfg.dtype == "auto" else cfg.dtype,
+        host=cfg.host,
+        port=cfg.port,
+        tool_call_parser=cfg.tool_call_parser,
+        kv_ram_bytes=_human(cfg.kv_ram_bytes),
+        kv_disk_bytes=_human(cfg.kv_disk_bytes),
+        kv_disk_dir=str(cfg.disk_dir),
+        kv_session_ttl=cfg.kv_session_ttl,
+        kv_redis_url=cfg.kv_redis_url,
+        cache_dir=str(cfg.cache_dir),
+        max_body_bytes=_human(cfg.max_body_bytes),
+        no_kv_offload=not cfg.kv_offload,
+    )
     return parser
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def config_from_argv(argv: Sequence[str], env: dict[str, str] | None = None) -> ServerConfig:

@@ -33,6 +33,16 @@ def test_models_lists_the_served_name(lgkv_server: ServerProcess) -> None:
     assert [m["id"] for m in r.json()["data"]] == [lgkv_server.model]
 
 
+def test_engine_core_runs_in_its_own_process(lgkv_server: ServerProcess) -> None:
+    import psutil
+
+    assert lgkv_server.proc is not None
+    children = psutil.Process(lgkv_server.proc.pid).children(recursive=True)
+    names = " ".join(" ".join(p.cmdline()) + p.name() for p in children)
+    assert children, "the engine core should be a child process of the API server"
+    assert "EngineCore" in names or "multiprocessing" in names, names
+
+
 def test_health_and_metrics(lgkv_server: ServerProcess) -> None:
     with lgkv_server.client() as c:
         assert c.get("/health").status_code == 200

@@ -214,3 +214,25 @@ def test_tool_template_renders_like_smollm2_without_tools(smollm2_dir: Path) -> 
         [{"role": "user", "content": "hi"}], chat_template=ours, tools=tools, tokenize=False
     )
     assert '<tools>\n{"type": "function"' in with_tools
+
+
+@pytest.mark.vllm
+def test_cli_help_lists_our_flags_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help=LangGraphKVCache"])
+    assert info.value.code in (0, None)
+    out = capsys.readouterr().out
+    for flag in ("--kv-ram-bytes", "--kv-disk-dir", "--no-kv-offload", "--cache-dir"):
+        assert flag in out
+    assert "(default: 1GiB)" in out
+
+
+def test_cli_reports_bad_values_as_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--kv-ram-bytes", "lots"])
+    assert info.value.code == 2
+    assert "kv-ram-bytes" in capsys.readouterr().err
