@@ -1,0 +1,1 @@
+"""HTTP layer of the bundled server: request rewrite (chat), session API, errors, metrics."""
