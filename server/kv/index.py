@@ -3,8 +3,9 @@
 Pure Python (no torch). Owns the two budgets: ``num_slots`` RAM slots of one block each (the
 worker's pool is exactly that big) and ``disk_bytes`` of block files. Every save is written
 through to disk, so evicting from RAM drops nothing the disk still holds ("RAM spills to
-disk"). A disk write is visible as ``on_disk`` from the moment it is queued: the worker runs
-disk jobs in FIFO order, so a read queued later always finds the file (or fails cleanly).
+disk"). A disk write is visible as ``on_disk`` from the moment it is queued: the worker serves
+a read of a block whose write is still queued from that write's buffer, and runs writes and
+removals in FIFO order, so a read planned later finds the bytes (or fails cleanly).
 """
 
 from __future__ import annotations

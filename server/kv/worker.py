@@ -10,8 +10,10 @@ Per step:
   requests whose async load completed, and the paged block ids whose load failed (vLLM then
   recomputes them), and returns a :class:`WorkerReport` for the scheduler side.
 
-One I/O thread runs disk jobs in FIFO order, so a read queued after a write of the same key
-always sees the file. Any disk error is a miss plus a warning, never an exception to vLLM.
+One I/O thread runs disk jobs: reads first, then writes and removals in FIFO order (a removal
+planned before a write of the same key runs first). A read of a block whose write is still
+queued is served from that write's buffer. Any disk error is a miss plus a warning, never an
+exception to vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +78,9 @@ class SessionKVWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._done: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._jobs: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
+        self._jobs = _JobQueue()
+        self._pending_writes: dict[str, torch.Tensor] = {}
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="lgkv-disk-io", daemon=True)
         self._thread.start()
 
@@ -149,6 +154,8 @@ class SessionKVWorker:
                     continue
                 data = self.pool.slot(item.slot).clone()
                 if item.to_disk:
+                    with self._pending_lock:
+                        self._pending_writes[item.key] = data
                     self._jobs.put(("write", (item.key, data)))
                 if item.to_redis:
                     self._jobs.put(("redis_write", (item.key, data)))
@@ -182,7 +189,7 @@ class SessionKVWorker:
 
     def shutdown(self) -> None:
         """Finish queued disk jobs and stop the I/O thread."""
-        self._jobs.put(None)
+        self._jobs.close()
         self._thread.join(timeout=30)
 
     # ----------------------------------------------------------------- helpers
@@ -193,7 +200,7 @@ class SessionKVWorker:
         return torch.empty(sum(self.layer_block_bytes), dtype=torch.uint8)
 
     def _queue_read(self, read: _Read) -> None:
-        self._jobs.put(("read", read))
+        self._jobs.put_read(("read", read))
 
     def _finish_read(self, read: _Read) -> None:
         if read.error is None:
@@ -236,7 +243,11 @@ class SessionKVWorker:
         if kind == "read":
             assert isinstance(payload, _Read)
             source = self.redis if payload.source == "redis" else store
-            if source is None:
+            with self._pending_lock:
+                queued = self._pending_writes.get(payload.key)
+            if queued is not None:  # its write waits behind others: serve the bytes we hold
+                payload.buffer.copy_(queued)
+            elif source is None:
                 payload.error = f"no {payload.source} tier"
             else:
                 try:
@@ -260,11 +271,54 @@ class SessionKVWorker:
             except OSError as e:
                 log.warning("KV block %s not written to disk: %s", key[:16], e)
                 self._done.put(("write_failed", key))
+            finally:
+                with self._pending_lock:
+                    if self._pending_writes.get(key) is data:
+                        del self._pending_writes[key]
         elif kind == "remove" and store is not None:
             try:
                 store.remove(payload)  # type: ignore[arg-type]
             except OSError as e:
                 log.warning("KV block file %s not removed: %s", payload, e)
+
+
+class _JobQueue:
+    """Disk jobs for the I/O thread: reads first (a request waits on them), then writes and
+    removals in FIFO order. A read of a block whose write is still queued is served from the
+    write's buffer, so reads never see a missing file for a block that is being written."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reads: deque[tuple[str, object]] = deque()
+        self._jobs: deque[tuple[str, object]] = deque()
+        self._closed = False
+
+    def put(self, job: tuple[str, object]) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify()
+
+    def put_read(self, job: tuple[str, object]) -> None:
+        with self._cond:
+            self._reads.append(job)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop after the queued jobs."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def get(self) -> tuple[str, object] | None:
+        """The next job, or None once closed and empty."""
+        with self._cond:
+            while not (self._reads or self._jobs or self._closed):
+                self._cond.wait()
+            if self._reads:
+                return self._reads.popleft()
+            if self._jobs:
+                return self._jobs.popleft()
+            return None
 
 
 def _load_bytes_without_pool(kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
