@@ -73,6 +73,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
 
     def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
         super().__init__(serde=serde)
+        if not hasattr(engine, "sync_engine"):
+            raise TypeError("AsyncSQLAlchemySaver needs an AsyncEngine; use SQLAlchemySaver")
         if engine.dialect.name not in ("sqlite", "postgresql"):
             raise UnsupportedDatabaseError(
                 f"AsyncSQLAlchemySaver supports SQLite and PostgreSQL, not {engine.dialect.name!r}"

@@ -107,6 +107,8 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
 
     def __init__(self, engine: Engine, *, serde: SerializerProtocol | None = None) -> None:
         super().__init__(serde=serde)
+        if hasattr(engine, "sync_engine"):
+            raise TypeError("SQLAlchemySaver needs a sync Engine; use AsyncSQLAlchemySaver")
         if engine.dialect.name not in ("sqlite", "postgresql"):
             raise UnsupportedDatabaseError(
                 f"SQLAlchemySaver supports SQLite and PostgreSQL, not {engine.dialect.name!r}"

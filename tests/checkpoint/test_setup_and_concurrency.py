@@ -79,6 +79,20 @@ def test_unsupported_url_says_what_to_use() -> None:
         normalize_url("mysql://u@h/db", asynchronous=False)
 
 
+def test_engine_kind_and_backend_are_checked() -> None:
+    from sqlalchemy import create_engine, create_mock_engine
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    sync_engine = create_engine("sqlite://")
+    async_engine = create_async_engine("sqlite+aiosqlite://")
+    with pytest.raises(TypeError, match="AsyncSQLAlchemySaver"):
+        SQLAlchemySaver(async_engine)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="use SQLAlchemySaver"):
+        AsyncSQLAlchemySaver(sync_engine)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedDatabaseError, match="not 'mysql'"):
+        SQLAlchemySaver(create_mock_engine("mysql://", lambda *a, **k: None))  # type: ignore[arg-type]
+
+
 def _process_writer(url: str, thread_id: str, barrier: Any, errors: Any) -> None:
     try:
         barrier.wait()  # both processes run setup() and their writes at the same time
