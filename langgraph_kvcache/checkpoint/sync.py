@@ -50,34 +50,53 @@ from langgraph_kvcache.errors import UnsupportedDatabaseError
 T = TypeVar("T")
 
 
+PLAIN_DRIVERS = ("pysqlite", "psycopg")
+"""Drivers whose DBAPI connections run ``plain`` statements directly (see :func:`run_op`)."""
+
+
 @functools.cache
-def _compiled(dialect: Dialect, statement: Any) -> tuple[str, tuple[str, ...], dict[str, Any]]:
-    """SQL text, positional parameter names and literal parameter values (e.g. ``LIMIT 1``)
-    of a prebuilt statement, compiled once."""
+def _compiled(
+    dialect: Dialect, statement: Any
+) -> tuple[str, tuple[str, ...] | None, dict[str, Any]]:
+    """SQL text, positional parameter names (None for named parameter styles) and literal
+    parameter values (e.g. ``LIMIT 1``) of a prebuilt statement, compiled once."""
     compiled = statement.compile(dialect=dialect)
     fixed = {name: bind.value for name, bind in compiled.binds.items() if bind.value is not None}
-    return str(compiled), tuple(compiled.positiontup or ()), fixed
+    names = tuple(compiled.positiontup) if compiled.positional else None
+    return str(compiled), names, fixed
 
 
 def _run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:
-    """Run a ``plain`` statement on the DBAPI connection (SQLite): skips SQLAlchemy's per-call
-    execution overhead, which is most of a small query's cost in-process."""
+    """Run a ``plain`` statement on the DBAPI connection: skips SQLAlchemy's per-call execution
+    overhead (tens of microseconds), much of a small query's cost. The SQL is SQLAlchemy's own
+    compilation of the statement, cached."""
     sql, names, fixed = _compiled(dialect, stmt.statement)
-    if isinstance(stmt.params, list):
-        rows = [{**fixed, **row} for row in stmt.params]
-        driver.executemany(sql, [[row[n] for n in names] for row in rows])
-        return []
-    params = {**fixed, **(stmt.params or {})}
-    cursor = driver.execute(sql, [params[n] for n in names])
-    if not stmt.fetch:
-        return []
-    columns = [d[0] for d in cursor.description]
-    return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+    def bind(params: dict[str, Any]) -> Any:
+        merged = {**fixed, **params}
+        return merged if names is None else [merged[n] for n in names]
+
+    cursor = driver.cursor()
+    try:
+        if isinstance(stmt.params, list):
+            cursor.executemany(sql, [bind(row) for row in stmt.params])
+            return []
+        cursor.execute(sql, bind(stmt.params or {}))
+        if not stmt.fetch:
+            return []
+        columns = [d[0] for d in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+    finally:
+        cursor.close()
 
 
 def run_op(conn: Connection, op: Op[T]) -> T:
-    """Run an operation's statements on ``conn``; returns the operation's result."""
-    plain_ok = conn.dialect.name == "sqlite"
+    """Run an operation's statements on ``conn``; returns the operation's result.
+
+    ``plain`` statements run straight on the DBAPI connection (SQLite's ``sqlite3``,
+    PostgreSQL's psycopg), inside the same transaction state as the SQLAlchemy connection.
+    """
+    plain_ok = conn.dialect.driver in PLAIN_DRIVERS
     try:
         stmt = next(op)
         while True:
