@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 PREFETCH_OP = "prefetch"
 _NO_STATE = BlockState("")
 _PURGE_EVERY_S = 10.0
+_IDLE_POLL_S = 0.002
 
 
 @dataclass
@@ -212,6 +213,10 @@ class SessionKVScheduler:
             tracked.saved_upto = max(tracked.saved_upto, full)
         if wanted:
             self._plan_saves(wanted)
+        if not scheduled and self._plan.is_empty() and not self.index.removes:
+            # Nothing runs: the engine only polls for loads or writes to finish. Yield the
+            # CPU (and the GIL) to the I/O thread instead of spinning.
+            time.sleep(_IDLE_POLL_S)
         plan, self._plan = self._plan, StepPlan()
         plan.removes, self.index.removes = self.index.removes, []
         return plan
