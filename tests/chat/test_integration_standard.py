@@ -122,9 +122,9 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     @pytest.mark.xfail(
-        reason="pydantic v1 schemas go through function calling; a 135M model fills the "
-        "arguments with a JSON string, not an object (seen: 'Feline')",
-        raises=(ValidationError, OutputParserException),
+        reason="pydantic v1 schemas go through function calling; a 135M model makes no call "
+        "(result None) or fills the arguments with a JSON string, not an object (seen: 'Feline')",
+        raises=(ValidationError, OutputParserException, AssertionError),
         strict=False,  # fails on any other error; a better model may pass
     )
     def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
