@@ -259,3 +259,33 @@ def test_structured_output_streaming_keeps_the_session(recorder: Any, model: Cha
     parts = list(structured.stream("2+2?", config={"configurable": {"thread_id": "so-stream"}}))
     assert parts[-1] == Answer(answer="4")
     assert sent_sessions(recorder) == ["so-stream"]
+
+
+def test_prebuilt_react_agent_loop_uses_the_thread(recorder: Any, model: ChatKVCache) -> None:
+    import warnings
+
+    from langgraph.prebuilt import create_react_agent
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+    }
+    recorder.queue_chat(content="", tool_calls=[call])
+    recorder.queue_chat(content="2 + 3 = 5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_react_agent's deprecation notice
+        agent = create_react_agent(model, [add], checkpointer=InMemorySaver())
+    out = agent.invoke(
+        {"messages": [HumanMessage("what is 2+3?")]}, {"configurable": {"thread_id": "react-1"}}
+    )
+    assert out["messages"][-1].content == "2 + 3 = 5"
+    bodies = recorder.chat_bodies()
+    assert [b["prompt_cache_key"] for b in bodies] == ["react-1", "react-1"]
+    # the second call carries the tool result after the first call's history (a growing prefix)
+    assert bodies[1]["messages"][: len(bodies[0]["messages"])] == bodies[0]["messages"]
+    assert bodies[1]["messages"][-1] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
