@@ -289,3 +289,21 @@ def test_prebuilt_react_agent_loop_uses_the_thread(recorder: Any, model: ChatKVC
     # the second call carries the tool result after the first call's history (a growing prefix)
     assert bodies[1]["messages"][: len(bodies[0]["messages"])] == bodies[0]["messages"]
     assert bodies[1]["messages"][-1] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
+
+
+def test_graph_token_streaming_uses_the_thread(recorder: Any, model: ChatKVCache) -> None:
+    graph = _chat_graph(model)
+    recorder.queue_chat(content="root answer here", prompt_tokens=260, cached_tokens=128)
+    recorder.queue_chat(content="sub answer")
+    cfg = {"configurable": {"thread_id": "tok-1"}}
+    tokens = [
+        chunk.content
+        for chunk, _meta in graph.stream(
+            {"messages": [HumanMessage("hi")]}, cfg, stream_mode="messages", subgraphs=False
+        )
+        if isinstance(chunk, AIMessageChunk) and chunk.content
+    ]
+    assert "".join(tokens) == "root answer here"  # subgraph tokens need subgraphs=True
+    bodies = recorder.chat_bodies()
+    assert [b["stream"] for b in bodies] == [True, True]  # LangGraph asks for token streaming
+    assert [b["prompt_cache_key"] for b in bodies] == ["tok-1", "tok-1|research"]
