@@ -90,16 +90,16 @@ class TierCount:
 class Registry:
     """Typed access to the registry file; safe for several threads and several processes."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(
-            str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False
+            str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         with self._write() as db:
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():

@@ -77,7 +77,8 @@ class SessionKVScheduler:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
-        self.registry = registry or Registry(settings.registry_path)
+        # The engine never waits long on the API process: a busy registry is skipped (logged).
+        self.registry = registry or Registry(settings.registry_path, busy_timeout_s=2.0)
         self.redis = redis
         self._redis_until: dict[str, float] = {}
         """Blocks this engine put in Redis and when their TTL ends (for tier counts)."""
@@ -353,7 +354,11 @@ class SessionKVScheduler:
         if req_id not in self._prefetching:
             pending: set[str] = set()
             if tracked.session is not None:
-                keys = self.registry.session_keys(*tracked.session)
+                try:
+                    keys = self.registry.session_keys(*tracked.session)
+                except Exception:
+                    log.warning("session registry unavailable; prefetch skipped", exc_info=True)
+                    keys = []
                 todo = [
                     k
                     for k in keys
@@ -374,21 +379,20 @@ class SessionKVScheduler:
 
     def _sync_registry(self) -> None:
         """Apply the API process's drops and reload pins/TTLs when the registry changed."""
-        now = time.monotonic()
-        if now - self._last_purge > _PURGE_EVERY_S:
-            self._last_purge = now
-            self._drop(self.registry.purge_expired())
         try:
+            now = time.monotonic()
+            if now - self._last_purge > _PURGE_EVERY_S:
+                self._last_purge = now
+                self._drop(self.registry.purge_expired())
             version = self.registry.data_version()
-        except Exception:
-            log.warning("session registry unreadable", exc_info=True)
-            return
-        if version == self._data_version:
-            return
-        self._data_version = version
-        self._drop_seq, dropped = self.registry.drops_after(self._drop_seq)
-        self._drop(dropped)
-        self._load_snapshot()
+            if version == self._data_version:
+                return
+            self._drop_seq, dropped = self.registry.drops_after(self._drop_seq)
+            self._drop(dropped)
+            self._load_snapshot()
+            self._data_version = version
+        except Exception:  # bookkeeping must never stop the engine; retried next step
+            log.warning("session registry unavailable; retrying", exc_info=True)
 
     def _drop(self, keys: list[str]) -> None:
         """Forget blocks in every tier (their sessions were deleted or expired)."""
