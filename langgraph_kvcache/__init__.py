@@ -27,12 +27,12 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from langgraph_kvcache.chat_model import ChatKVCache
-    from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
-    from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
-    from langgraph_kvcache.client import AsyncKVCacheClient, KVCacheClient
-    from langgraph_kvcache.sessions import session_id_for
-
+    from langgraph_kvcache.chat_model import ChatKVCache as ChatKVCache
+    from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver as AsyncSQLAlchemySaver
+    from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver as SQLAlchemySaver
+    from langgraph_kvcache.client import AsyncKVCacheClient as AsyncKVCacheClient
+    from langgraph_kvcache.client import KVCacheClient as KVCacheClient
+    from langgraph_kvcache.sessions import session_id_for as session_id_for
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
