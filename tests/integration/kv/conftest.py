@@ -31,9 +31,12 @@ def kv_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llm(kv_model_dir: Path, kv_cache_dir: Path) -> Iterator[Any]:
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
     engine = make_llm(engine_kwargs(kv_model_dir, kv_cache_dir))
     yield engine
     engine.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()  # vLLM keeps the worker connector in a process global
 
 
 @pytest.fixture(scope="session")
