@@ -265,3 +265,31 @@ def test_random_traffic_keeps_invariants(tmp_path: Path, seed: int) -> None:
         )
         check_slots(sched.index)
         assert all(s.locks == 0 for s in sched.index.blocks.values())
+
+
+def test_failed_disk_write_frees_the_budget(tmp_path: Path) -> None:
+    sched = make(tmp_path, ram_blocks=4, disk_blocks=6)
+    p = prompt(11, 2)
+    req = Req("a", p, "A")
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [], 0)
+    plan = sched.build_plan([("a", [1, 2, 3], True, 0)], {"a": len(p)})
+    assert sched.index.disk_blocks() == 2
+    keys = [s.key for s in plan.saves]
+    sched.on_report(WorkerReport(saved=keys, write_failed=keys))  # e.g. disk full
+    assert sched.index.disk_blocks() == 0
+    assert [sched.index.tier_of(k) for k in keys] == ["ram", "ram"]
+    assert sched.build_plan([], {}).removes == keys  # any partial file goes too
+
+
+def test_expired_sessions_leave_every_tier(tmp_path: Path) -> None:
+    sched = make(tmp_path, default_ttl_s=0.05)
+    p = prompt(12, 2)
+    run(sched, Req("a", p, "A"))
+    keys = [block_key(h) for h in Req("x", p).block_hashes]
+    assert [sched.index.tier_of(k) for k in keys] == ["ram", "ram"]
+    time.sleep(0.1)
+    sched._last_purge = 0.0  # the engine purges every few seconds; do it now
+    assert sched.get_num_new_matched_tokens(Req("a2", p), 0) == (0, False)
+    assert sched.registry.get_session("t", "A") is None
+    assert sorted(sched.build_plan([], {}).removes) == sorted(keys)
