@@ -354,7 +354,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
             select(c.blob_versions).where(c.thread_id == thread_id, c.checkpoint_ns == ns),
             fetch=True,
         )
-        used = {item for r in kept for item in r["blob_versions"].items()}
+        used = {(ch, str(v)) for r in kept for ch, v in r["blob_versions"].items()}
         stored = yield Stmt(
             select(b.channel, b.version).where(b.thread_id == thread_id, b.checkpoint_ns == ns),
             fetch=True,

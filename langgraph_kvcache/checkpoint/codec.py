@@ -74,7 +74,15 @@ def checkpoint_row(
     thread_id = str(configurable["thread_id"])
     ns = configurable.get("checkpoint_ns", "")
     inline, blob_values = split_values(checkpoint)
-    body = {**checkpoint, "channel_values": inline}
+    versions = checkpoint["channel_versions"]
+    # The versions of blob-stored channels live only in the ``blob_versions`` column (SQL joins
+    # on them); the body keeps the rest. ``make_tuple`` merges them back.
+    blob_versions = {ch: versions[ch] for ch in blob_values if ch in versions}
+    body = {
+        **checkpoint,
+        "channel_values": inline,
+        "channel_versions": {ch: v for ch, v in versions.items() if ch not in blob_versions},
+    }
     type_, data = serde.dumps_typed(body)
     run_id = metadata.get("run_id")
     row = {
@@ -86,11 +94,7 @@ def checkpoint_row(
         "type": type_,
         "checkpoint": data,
         "metadata": metadata,
-        "blob_versions": {
-            channel: str(checkpoint["channel_versions"][channel])
-            for channel in blob_values
-            if channel in checkpoint["channel_versions"]
-        },
+        "blob_versions": blob_versions,
     }
     blob_rows = []
     for channel, version in new_versions.items():
@@ -170,8 +174,9 @@ def make_tuple(
     thread_id, ns, checkpoint_id = head["thread_id"], head["checkpoint_ns"], head["checkpoint_id"]
     body: Checkpoint = serde.loads_typed((head["type"], head["data"]))
     values = dict(body["channel_values"])
-    for channel, version in json.loads(head["c"]).items():
-        stored = blobs.get((thread_id, ns, channel, version))
+    blob_versions = json.loads(head["c"])
+    for channel, version in blob_versions.items():
+        stored = blobs.get((thread_id, ns, channel, str(version)))
         if stored is not None and stored[0] != "empty":
             values[channel] = serde.loads_typed(stored)
     writes = sorted(
@@ -187,7 +192,11 @@ def make_tuple(
                 "checkpoint_id": checkpoint_id,
             }
         },
-        checkpoint={**body, "channel_values": values},
+        checkpoint={
+            **body,
+            "channel_values": values,
+            "channel_versions": {**body["channel_versions"], **blob_versions},
+        },
         metadata=json.loads(head["b"]),
         parent_config=(
             {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": parent}}

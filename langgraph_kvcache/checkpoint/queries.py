@@ -78,7 +78,7 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
             c.c.thread_id,
             c.c.checkpoint_ns,
             each.c.key.label("channel"),
-            each.c.value.label("version"),
+            cast(each.c.value, Text).label("version"),
         )
         .select_from(c)
         .join(each, true())

@@ -41,7 +41,8 @@ class CheckpointRow(Base):
     bool) stay inline, as in the PostgreSQL saver. ``metadata`` is plain JSON so ``list(filter=)``
     can search it. ``run_id`` is copied out of the metadata for ``delete_for_runs``.
     ``blob_versions`` maps each channel kept in the blobs table to its version, so one query can
-    join a checkpoint to its blobs (``json_each`` / ``jsonb_each_text``).
+    join a checkpoint to its blobs (``json_each`` / ``jsonb_each_text``); those versions are
+    not repeated in the body's ``channel_versions``.
     """
 
     __tablename__ = "checkpoints"
@@ -54,7 +55,7 @@ class CheckpointRow(Base):
     type: Mapped[str] = mapped_column(Text)
     checkpoint: Mapped[bytes] = mapped_column(LargeBinary)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType)
-    blob_versions: Mapped[dict[str, str]] = mapped_column(JsonType)
+    blob_versions: Mapped[dict[str, Any]] = mapped_column(JsonType)
 
     __table_args__ = (
         Index(
