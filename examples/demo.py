@@ -33,7 +33,11 @@ SYSTEM = (
     "Answer in English, in one or two short sentences. "
     "Notes about the user for the whole conversation: they plan a one-week trip in late "
     "spring, like museums, good bread, trains rather than cars, quiet mornings and long "
-    "walks, have been to Italy before, and want to see two or three cities without hurrying."
+    "walks, have been to Italy before, and want to see two or three cities without hurrying. "
+    "They carry one small backpack, book hotels near the main station, prefer small family "
+    "restaurants to famous ones, read a little of the local language, wake up early, avoid "
+    "crowds at midday, enjoy markets, rivers, bridges and old churches, and like to end each "
+    "day with a quiet dinner and a short evening walk before going to bed early."
 )
 QUESTIONS = [
     "What is the capital of France?",

@@ -16,6 +16,7 @@ starts, so the app also runs in-process (``httpx.ASGITransport`` inside
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -79,16 +80,29 @@ def create_app(config: ServerConfig) -> FastAPI:
             app.state.lgkv_config = config
             app.state.session_control = control
             collector = _register_metrics(control)
+            watchdog = asyncio.create_task(_watch_engine(engine, app.state.server))
             try:
                 async with vllm_lifespan(app):
                     yield
             finally:
+                watchdog.cancel()
                 _unregister_metrics(collector)
                 if control is not None:
                     control.close()
 
     app.router.lifespan_context = lifespan
     return app
+
+
+async def _watch_engine(engine: Any, server: Any, every_s: float = 5.0) -> None:
+    """Stop serving when the engine core died (as ``vllm serve``'s watchdog does), so a
+    supervisor restarts the server instead of it answering 500 forever."""
+    while True:
+        await asyncio.sleep(every_s)
+        if engine.errored and not engine.is_running:
+            log.error("the vLLM engine died; shutting the server down")
+            server.should_exit = True
+            return
 
 
 async def _init_vllm_state(engine: Any, app: FastAPI, args: Any, tasks: tuple[str, ...]) -> None:
