@@ -7,16 +7,13 @@ routes use too), raised as :class:`APIError` and rendered by :func:`api_error_ha
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@|=+\-]{0,254}$"
-"""Session id syntax of contracts.md section 1."""
-_SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
+from server.kv.control import SESSION_ID_RE  # the syntax of contracts.md 1 (no torch)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -63,7 +60,7 @@ async def api_error_handler(_request: Request, exc: Exception) -> JSONResponse:
 
 def check_session_id(value: object, *, field: str = "session id") -> str:
     """Return ``value`` if it is a valid session id, else raise a 400 :class:`APIError`."""
-    if not isinstance(value, str) or not _SESSION_ID_RE.match(value):
+    if not isinstance(value, str) or not SESSION_ID_RE.match(value):
         raise APIError(
             400,
             f"invalid {field} {value!r}: use 1-255 characters from A-Z a-z 0-9 . _ : @ | = + -,"
