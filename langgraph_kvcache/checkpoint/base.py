@@ -71,9 +71,9 @@ class Stmt:
     fetch: bool = False
     """Whether the operation wants the result rows (as mappings) back."""
     plain: bool = False
-    """A prebuilt statement whose parameters and results need no SQLAlchemy type processing
-    (str, int, bytes only): a driver may run its compiled SQL on the DBAPI connection directly
-    (see :func:`langgraph_kvcache.checkpoint.sync.run_op`)."""
+    """A prebuilt statement whose parameters are str, int, bytes or JSON-typed and whose results
+    are str, int or bytes: a driver may run its compiled SQL on the DBAPI connection directly
+    (see :func:`langgraph_kvcache.checkpoint.sync.run_plain`)."""
 
 
 Op = Generator[Stmt, list[Any], T]
@@ -228,11 +228,11 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         if self.dialect == "postgresql":
             # One statement: blobs in a data-modifying CTE, then the checkpoint upsert.
             params = {**row, **(queries.row_params(self.dialect, blob_rows) if blob_rows else {})}
-            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params)
+            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params, plain=True)
         else:
             if blob_rows:
                 yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows, plain=True)
-            yield Stmt(queries.put_checkpoint(self.dialect, 0), row)
+            yield Stmt(queries.put_checkpoint(self.dialect, 0), row, plain=True)
         return {
             "configurable": {
                 "thread_id": row["thread_id"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -31,6 +32,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.engine import URL, Dialect
 from sqlalchemy.pool import StaticPool
+from sqlalchemy.sql import sqltypes
 
 from langgraph_kvcache.checkpoint.base import (
     BaseSQLAlchemySaver,
@@ -57,23 +59,29 @@ PLAIN_DRIVERS = ("pysqlite", "psycopg")
 @functools.cache
 def _compiled(
     dialect: Dialect, statement: Any
-) -> tuple[str, tuple[str, ...] | None, dict[str, Any]]:
-    """SQL text, positional parameter names (None for named parameter styles) and literal
-    parameter values (e.g. ``LIMIT 1``) of a prebuilt statement, compiled once."""
+) -> tuple[str, tuple[str, ...] | None, dict[str, Any], frozenset[str]]:
+    """SQL text, positional parameter names (None for named parameter styles), literal
+    parameter values (e.g. ``LIMIT 1``) and JSON-typed parameter names of a prebuilt statement,
+    compiled once."""
     compiled = statement.compile(dialect=dialect)
     fixed = {name: bind.value for name, bind in compiled.binds.items() if bind.value is not None}
+    json_names = frozenset(
+        name for name, bind in compiled.binds.items() if isinstance(bind.type, sqltypes.JSON)
+    )
     names = tuple(compiled.positiontup) if compiled.positional else None
-    return str(compiled), names, fixed
+    return str(compiled), names, fixed, json_names
 
 
-def _run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:
+def run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:
     """Run a ``plain`` statement on the DBAPI connection: skips SQLAlchemy's per-call execution
     overhead (tens of microseconds), much of a small query's cost. The SQL is SQLAlchemy's own
-    compilation of the statement, cached."""
-    sql, names, fixed = _compiled(dialect, stmt.statement)
+    compilation of the statement, cached; JSON parameters are dumped as SQLAlchemy would."""
+    sql, names, fixed, json_names = _compiled(dialect, stmt.statement)
 
     def bind(params: dict[str, Any]) -> Any:
         merged = {**fixed, **params}
+        for name in json_names:
+            merged[name] = json.dumps(merged[name])
         return merged if names is None else [merged[n] for n in names]
 
     cursor = driver.cursor()
@@ -101,7 +109,7 @@ def run_op(conn: Connection, op: Op[T]) -> T:
         stmt = next(op)
         while True:
             if stmt.plain and plain_ok:
-                rows = _run_plain(conn.dialect, conn.connection.driver_connection, stmt)
+                rows = run_plain(conn.dialect, conn.connection.driver_connection, stmt)
             else:
                 result = conn.execute(stmt.statement, stmt.params)
                 rows = list(result.mappings()) if stmt.fetch else []
@@ -164,23 +172,38 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             with conn.begin():
                 return run_op(conn, op)
 
-    def _run_plain_read(self, op: Op[T]) -> T:
-        """Run a read made only of ``plain`` statements; on SQLite straight on a pooled DBAPI
-        connection (no SQLAlchemy ``Connection``, no transaction: one statement reads one
-        snapshot). Elsewhere, like :meth:`_run`."""
-        if self.dialect != "sqlite":
-            return self._run(op)
+    def _run_raw(self, op: Op[T], mode: Mode = "read") -> T:
+        """Run an operation made only of ``plain`` statements straight on a pooled DBAPI
+        connection, without a SQLAlchemy ``Connection`` (the hot paths: ``get_tuple``, ``put``,
+        ``put_writes``). Transactions as in :func:`~.base.execution_options`: SQLite writes in
+        ``BEGIN IMMEDIATE`` ... ``COMMIT``, single statements and reads in autocommit."""
+        if self.engine.dialect.driver not in PLAIN_DRIVERS:
+            return self._run(op, mode)
         with self._lock:
             raw = self.engine.raw_connection()
+            driver = raw.driver_connection
+            sqlite = self.dialect == "sqlite"
             try:
-                stmt = next(op)
-                while True:
-                    if not stmt.plain:
-                        raise TypeError(f"not a plain statement: {stmt.statement}")
-                    stmt = op.send(_run_plain(self.engine.dialect, raw.driver_connection, stmt))
-            except StopIteration as stop:
-                return stop.value
+                if sqlite and mode == "write":
+                    driver.execute("BEGIN IMMEDIATE")
+                elif not sqlite:
+                    driver.autocommit = mode != "write"
+                try:
+                    stmt = next(op)
+                    while True:
+                        if not stmt.plain:
+                            raise TypeError(f"not a plain statement: {stmt.statement}")
+                        stmt = op.send(run_plain(self.engine.dialect, driver, stmt))
+                except StopIteration as stop:
+                    result = stop.value
+                driver.commit()
+                return result
+            except BaseException:
+                driver.rollback()
+                raise
             finally:
+                if not sqlite:
+                    driver.autocommit = False
                 raw.close()
 
     def setup(self) -> None:
@@ -189,7 +212,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
-        found = self._run_plain_read(self._op_get_tuple(config))
+        found = self._run_raw(self._op_get_tuple(config))
         self._after_get_tuple(config, found)
         return found
 
@@ -197,7 +220,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         self, *, config: RunnableConfig, channels: Sequence[str]
     ) -> Mapping[str, DeltaChannelHistory]:
         """Per-channel writes and seed along ``config``'s parent chain (``DeltaChannel``)."""
-        return self._run_plain_read(self._op_delta_history(config, channels))
+        return self._run_raw(self._op_delta_history(config, channels))
 
     async def aget_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
@@ -226,7 +249,9 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
-        return self._run(self._op_put(config, checkpoint, metadata, new_versions), self._put_mode)
+        return self._run_raw(
+            self._op_put(config, checkpoint, metadata, new_versions), self._put_mode
+        )
 
     def put_writes(
         self,
@@ -236,7 +261,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        self._run(
+        self._run_raw(
             self._op_put_writes(config, writes, task_id, task_path),
             self._writes_mode(len(writes)),
         )
