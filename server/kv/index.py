@@ -79,6 +79,16 @@ class BlockIndex:
         """Block files written or queued."""
         return self.disk_used // self.file_bytes if self.file_bytes else 0
 
+    def gauges(self, block_bytes: int, *, redis_blocks: int) -> dict[str, float]:
+        """``lgkv_tier_blocks`` / ``lgkv_tier_bytes`` samples of every tier."""
+        counts = {"ram": self.ram_blocks(), "disk": self.disk_blocks(), "redis": redis_blocks}
+        out: dict[str, float] = {}
+        for tier, n in counts.items():
+            out[f'lgkv_tier_blocks{{tier="{tier}"}}'] = float(n)
+            size = self.disk_used if tier == "disk" else n * block_bytes
+            out[f'lgkv_tier_bytes{{tier="{tier}"}}'] = float(size)
+        return out
+
     def location(self, key: str) -> tuple[bool, bool]:
         """(in RAM, on disk) as published to the registry."""
         state = self.blocks.get(key)

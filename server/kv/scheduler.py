@@ -310,15 +310,7 @@ class SessionKVScheduler:
         updates = {
             k: (*self.index.location(k), k in self._redis_until, self.block_bytes) for k in dirty
         }
-        ram, disk = self.index.ram_blocks(), self.index.disk_blocks()
-        gauges = {
-            'lgkv_tier_blocks{tier="ram"}': float(ram),
-            'lgkv_tier_bytes{tier="ram"}': float(ram * self.block_bytes),
-            'lgkv_tier_blocks{tier="disk"}': float(disk),
-            'lgkv_tier_bytes{tier="disk"}': float(self.index.disk_used),
-            'lgkv_tier_blocks{tier="redis"}': float(len(self._redis_until)),
-            'lgkv_tier_bytes{tier="redis"}': float(len(self._redis_until) * self.block_bytes),
-        }
+        gauges = self.index.gauges(self.block_bytes, redis_blocks=len(self._redis_until))
         counters = dict(self._counters)
         for tier, n in self.index.evicted.items():
             counters[f'lgkv_evicted_blocks_total{{tier="{tier}"}}'] = float(n)
