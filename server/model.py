@@ -113,7 +113,10 @@ def _ensure_chat_template(folder: Path, tok) -> None:  # type: ignore[no-untyped
 
 
 def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
-    """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template, for fast tests."""
+    """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template, for fast tests.
+
+    Head size 32 (the smallest vLLM's CPU attention kernel takes), 2 KV heads, float32.
+    """
     out = Path(out)
     if (out / "config.json").is_file():
         return out
@@ -129,8 +132,8 @@ def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=128,  # 4 heads of 32: vLLM's CPU attention needs head_dim >= 32
+            intermediate_size=256,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,

@@ -33,4 +33,5 @@ def tiny_model_dir(smollm2_dir: Path) -> Path:
     """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template (fast tests)."""
     from server.model import build_tiny_model, default_cache_dir
 
-    return build_tiny_model(default_cache_dir() / "models" / "tiny-llama", tokenizer_from=smollm2_dir)
+    out = default_cache_dir() / "models" / "tiny-llama-h32"
+    return build_tiny_model(out, tokenizer_from=smollm2_dir)
