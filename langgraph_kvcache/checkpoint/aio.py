@@ -43,6 +43,12 @@ from langgraph_kvcache.checkpoint.engine import (
     normalize_url,
     prepare_engine,
 )
+from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.kv_sessions import (
+    AsyncThreadSessions,
+    KVSessionOptions,
+    resolve_options,
+)
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -69,10 +75,25 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         engine: The async engine. On SQLite the saver installs connect/begin listeners on its
             ``sync_engine`` (WAL, busy timeout, ``BEGIN IMMEDIATE`` for writes).
         serde: Serializer; defaults to ``JsonPlusSerializer``.
+        kv_server: URL of a langgraph-kvcache server (or full :class:`KVSessionOptions`): keep
+            its sessions in step with the threads (see :mod:`.kv_sessions`). ``None``: a plain
+            SQL checkpointer.
+        kv_api_key: The server's bearer key, when it runs with ``--api-key``.
+        ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and
+            :meth:`asweep_expired` here). Needs ``kv_server``.
     """
 
-    def __init__(self, engine: AsyncEngine, *, serde: SerializerProtocol | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        serde: SerializerProtocol | None = None,
+        kv_server: str | KVSessionOptions | None = None,
+        kv_api_key: str | None = None,
+        ttl_seconds: float | None = None,
+    ) -> None:
         super().__init__(serde=serde)
+        options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if not hasattr(engine, "sync_engine"):
             raise TypeError("AsyncSQLAlchemySaver needs an AsyncEngine; use SQLAlchemySaver")
         if engine.dialect.name not in ("sqlite", "postgresql"):
@@ -89,22 +110,44 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
+        self.kv_sessions = AsyncThreadSessions(self, options) if options else None
+        """The server session keeper (``None`` without ``kv_server``)."""
+        self.lifecycle: LifecycleHooks = self.kv_sessions or self
+        """Whose lifecycle hooks run: the session keeper, else the saver's own (no-ops)."""
 
     @classmethod
     @asynccontextmanager
     async def from_conn_string(
-        cls, url: str | URL, *, serde: SerializerProtocol | None = None, **kwargs: Any
+        cls,
+        url: str | URL,
+        *,
+        serde: SerializerProtocol | None = None,
+        kv_server: str | KVSessionOptions | None = None,
+        kv_api_key: str | None = None,
+        ttl_seconds: float | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[AsyncSQLAlchemySaver]:
         """Create a saver on a new async engine for ``url``, disposed of on exit.
 
         Plain ``sqlite:///...`` / ``postgresql://...`` URLs get the ``aiosqlite`` / ``psycopg``
-        drivers. ``kwargs`` go to ``create_async_engine``.
+        drivers. ``kv_server``, ``kv_api_key`` and ``ttl_seconds`` are the constructor's; other
+        ``kwargs`` go to ``create_async_engine``.
         """
         parsed = normalize_url(url, asynchronous=True)
         engine = create_async_engine(parsed, **{**engine_kwargs(parsed), **kwargs})
+        saver = None
         try:
-            yield cls(engine, serde=serde)
+            saver = cls(
+                engine,
+                serde=serde,
+                kv_server=kv_server,
+                kv_api_key=kv_api_key,
+                ttl_seconds=ttl_seconds,
+            )
+            yield saver
         finally:
+            if saver is not None and saver.kv_sessions is not None:
+                await saver.kv_sessions.aclose()
             await engine.dispose()
 
     async def _run(self, op: Op[T], mode: Mode = "read") -> T:
@@ -122,7 +165,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
         found = await self._run(self._op_get_tuple(config))
-        await self._aafter_get_tuple(config, found)
+        await self.lifecycle._aafter_get_tuple(config, found)
         return found
 
     async def aget_delta_channel_history(
@@ -176,13 +219,13 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
         await self._run(self._op_delete_threads([str(thread_id)]), "write")
-        await self._aafter_delete_threads([str(thread_id)])
+        await self.lifecycle._aafter_delete_threads([str(thread_id)])
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
         await self._run(self._op_copy_thread(source, target), "write")
-        await self._aafter_copy_thread(source, target)
+        await self.lifecycle._aafter_copy_thread(source, target)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """``"keep_latest"``: keep each namespace's latest checkpoint; ``"delete"``: drop all."""
@@ -191,15 +234,24 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
             return
         await self._run(self._op_prune(ids, strategy), "write")
         if strategy == "delete":
-            await self._aafter_delete_threads(ids)
-        await self._aafter_prune(ids, strategy)
+            await self.lifecycle._aafter_delete_threads(ids)
+        await self.lifecycle._aafter_prune(ids, strategy)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
         threads = await self._run(self._op_delete_for_runs(run_ids), "write")
-        await self._aafter_delete_for_runs(list(run_ids), threads)
+        await self.lifecycle._aafter_delete_for_runs(list(run_ids), threads)
+
+    async def asweep_expired(self) -> list[str]:
+        """Delete the threads unused for ``ttl_seconds`` with their server sessions; returns
+        their ids (none without ``kv_server`` and ``ttl_seconds``)."""
+        return await self.kv_sessions.sweep_expired() if self.kv_sessions else []
+
+    def sweep_expired(self) -> list[str]:
+        """Sync :meth:`asweep_expired`, run on the saver's loop (call from another thread)."""
+        return self._wait(self.asweep_expired())
 
     # -- sync interface: the async methods on the saver's loop -----------------------------
 

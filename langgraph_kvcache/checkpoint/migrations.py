@@ -76,6 +76,28 @@ MIGRATIONS: tuple[Migration, ...] = (
             "WHERE run_id IS NOT NULL",
         ),
     ),
+    Migration(
+        "KV-cache server sessions of threads, and the outbox of pending session calls",
+        (
+            """CREATE TABLE IF NOT EXISTS checkpoint_kv_sessions (
+                thread_id TEXT NOT NULL,
+                checkpoint_ns TEXT NOT NULL DEFAULT '',
+                session_id TEXT NOT NULL,
+                last_used_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (thread_id, checkpoint_ns)
+            )""",
+            "CREATE INDEX IF NOT EXISTS checkpoint_kv_sessions_last_used_idx "
+            "ON checkpoint_kv_sessions (last_used_at)",
+            """CREATE TABLE IF NOT EXISTS checkpoint_kv_outbox (
+                id TEXT PRIMARY KEY,
+                op TEXT NOT NULL,
+                session_id TEXT NOT NULL,
+                target_id TEXT,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                last_error TEXT
+            )""",
+        ),
+    ),
 )
 
 

@@ -47,6 +47,12 @@ from langgraph_kvcache.checkpoint.engine import (
     normalize_url,
     prepare_engine,
 )
+from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.kv_sessions import (
+    KVSessionOptions,
+    ThreadSessions,
+    resolve_options,
+)
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -130,10 +136,25 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             ``:memory:`` (``from_conn_string`` does all of this for you).
         serde: Serializer for checkpoints, channel values and writes; defaults to
             ``JsonPlusSerializer``. ``EncryptedSerializer`` works too.
+        kv_server: URL of a langgraph-kvcache server (or full :class:`KVSessionOptions`): keep
+            its sessions in step with the threads (see :mod:`.kv_sessions`). ``None``: a plain
+            SQL checkpointer.
+        kv_api_key: The server's bearer key, when it runs with ``--api-key``.
+        ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and
+            :meth:`sweep_expired` here). Needs ``kv_server``.
     """
 
-    def __init__(self, engine: Engine, *, serde: SerializerProtocol | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        serde: SerializerProtocol | None = None,
+        kv_server: str | KVSessionOptions | None = None,
+        kv_api_key: str | None = None,
+        ttl_seconds: float | None = None,
+    ) -> None:
         super().__init__(serde=serde)
+        options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if hasattr(engine, "sync_engine"):
             raise TypeError("SQLAlchemySaver needs a sync Engine; use AsyncSQLAlchemySaver")
         if engine.dialect.name not in ("sqlite", "postgresql"):
@@ -147,23 +168,45 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         self._lock: AbstractContextManager[Any] = (
             threading.Lock() if isinstance(engine.pool, StaticPool) else nullcontext()
         )
+        self.kv_sessions = ThreadSessions(self, options) if options else None
+        """The server session keeper (``None`` without ``kv_server``)."""
+        self.lifecycle: LifecycleHooks = self.kv_sessions or self
+        """Whose lifecycle hooks run: the session keeper, else the saver's own (no-ops)."""
 
     @classmethod
     @contextmanager
     def from_conn_string(
-        cls, url: str | URL, *, serde: SerializerProtocol | None = None, **kwargs: Any
+        cls,
+        url: str | URL,
+        *,
+        serde: SerializerProtocol | None = None,
+        kv_server: str | KVSessionOptions | None = None,
+        kv_api_key: str | None = None,
+        ttl_seconds: float | None = None,
+        **kwargs: Any,
     ) -> Iterator[SQLAlchemySaver]:
         """Create a saver on a new engine for ``url``, disposed of on exit.
 
         ``url`` may be a plain ``sqlite:///path.db``, ``sqlite:///:memory:`` or
-        ``postgresql://...`` URL; the driver is chosen for you. ``kwargs`` go to
+        ``postgresql://...`` URL; the driver is chosen for you. ``kv_server``, ``kv_api_key``
+        and ``ttl_seconds`` are the constructor's; other ``kwargs`` go to
         ``sqlalchemy.create_engine``.
         """
         parsed = normalize_url(url, asynchronous=False)
         engine = create_engine(parsed, **{**engine_kwargs(parsed), **kwargs})
+        saver = None
         try:
-            yield cls(engine, serde=serde)
+            saver = cls(
+                engine,
+                serde=serde,
+                kv_server=kv_server,
+                kv_api_key=kv_api_key,
+                ttl_seconds=ttl_seconds,
+            )
+            yield saver
         finally:
+            if saver is not None and saver.kv_sessions is not None:
+                saver.kv_sessions.close()
             engine.dispose()
 
     def _run(self, op: Op[T], mode: Mode = "read") -> T:
@@ -213,7 +256,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""
         found = self._run_raw(self._op_get_tuple(config))
-        self._after_get_tuple(config, found)
+        self.lifecycle._after_get_tuple(config, found)
         return found
 
     def get_delta_channel_history(
@@ -269,13 +312,13 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
         self._run(self._op_delete_threads([str(thread_id)]), "write")
-        self._after_delete_threads([str(thread_id)])
+        self.lifecycle._after_delete_threads([str(thread_id)])
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
         self._run(self._op_copy_thread(source, target), "write")
-        self._after_copy_thread(source, target)
+        self.lifecycle._after_copy_thread(source, target)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """``"keep_latest"``: keep each namespace's latest checkpoint; ``"delete"``: drop all.
@@ -288,15 +331,24 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             return
         self._run(self._op_prune(ids, strategy), "write")
         if strategy == "delete":
-            self._after_delete_threads(ids)
-        self._after_prune(ids, strategy)
+            self.lifecycle._after_delete_threads(ids)
+        self.lifecycle._after_prune(ids, strategy)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
         threads = self._run(self._op_delete_for_runs(run_ids), "write")
-        self._after_delete_for_runs(list(run_ids), threads)
+        self.lifecycle._after_delete_for_runs(list(run_ids), threads)
+
+    def sweep_expired(self) -> list[str]:
+        """Delete the threads unused for ``ttl_seconds`` with their server sessions; returns
+        their ids (none without ``kv_server`` and ``ttl_seconds``)."""
+        return self.kv_sessions.sweep_expired() if self.kv_sessions else []
+
+    async def asweep_expired(self) -> list[str]:
+        """Async :meth:`sweep_expired` (runs in a worker thread)."""
+        return await asyncio.to_thread(self.sweep_expired)
 
     # -- async interface: the sync methods in a worker thread ------------------------------
 
