@@ -123,3 +123,84 @@ def parse_body(model: type[BaseModel], raw: bytes, *, empty_ok: bool = False) ->
 
 def _fields(model: type[BaseModel]) -> str:
     return "fields: " + ", ".join(model.model_fields)
+
+
+# Response shapes, for the OpenAPI schema (the routes build the same JSON from SessionInfo).
+
+
+class TierUsageOut(BaseModel):
+    """What one tier holds of a session."""
+
+    blocks: int
+    bytes: int
+
+
+class SessionOut(BaseModel):
+    """A session: one conversation's KV (contracts.md section 4)."""
+
+    id: str
+    object: str = "session"
+    tenant: str
+    num_tokens: int
+    num_blocks: int
+    turns: int
+    created_at: float
+    last_used_at: float
+    pinned: bool
+    ttl_seconds: float | None
+    expires_at: float | None
+    tiers: dict[str, TierUsageOut] = Field(description='keys "ram", "disk", "redis"')
+
+
+class SessionListOut(BaseModel):
+    """``GET /v1/sessions``."""
+
+    object: str = "list"
+    data: list[SessionOut]
+
+
+class SessionDeletedOut(BaseModel):
+    """``DELETE /v1/sessions/{id}``."""
+
+    id: str
+    object: str = "session.deleted"
+    deleted: bool = True
+    freed_blocks: int
+
+
+class PrefetchOut(BaseModel):
+    """``POST /v1/sessions/{id}/prefetch``: blocks of the session, and how many are in RAM."""
+
+    id: str
+    object: str = "session.prefetch"
+    blocks: int
+    ram_blocks: int
+
+
+class ErrorDetail(BaseModel):
+    """The error itself."""
+
+    message: str
+    type: str
+    code: int
+
+
+class ErrorOut(BaseModel):
+    """Every error the server answers: ``{"error": {"message", "type", "code"}}``."""
+
+    error: ErrorDetail
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a JSON body the route parses by hand (:func:`parse_body`)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for the error codes a route can answer."""
+    return {code: {"model": ErrorOut, "description": _TYPES.get(code, "error")} for code in codes}

@@ -18,10 +18,16 @@ from starlette.responses import JSONResponse
 from server.api.chat import tenant_from_headers
 from server.api.protocol import (
     APIError,
+    PrefetchOut,
     SessionCopy,
     SessionCreate,
+    SessionDeletedOut,
+    SessionListOut,
+    SessionOut,
     SessionUpdate,
+    body_schema,
     check_session_id,
+    error_responses,
     parse_body,
 )
 
@@ -29,7 +35,10 @@ if TYPE_CHECKING:
     from server.kv.control import SessionControl
 
 T = TypeVar("T")
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(
+    prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 401, 503)
+)
+_ONE = error_responses(404)
 
 OFFLOAD_OFF = (
     "the session API needs the KV offload connector, and this server runs with "
@@ -85,7 +94,7 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
     return value
 
 
-@router.get("")
+@router.get("", response_model=SessionListOut)
 async def list_sessions(request: Request) -> JSONResponse:
     """``GET /v1/sessions?limit=100&offset=0``: this tenant's sessions, most recent first."""
     control = _control(request)
@@ -95,7 +104,13 @@ async def list_sessions(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [i.to_dict() for i in infos]})
 
 
-@router.post("")
+@router.post(
+    "",
+    status_code=201,
+    response_model=SessionOut,
+    responses=error_responses(409, 422),
+    openapi_extra=body_schema(SessionCreate),
+)
 async def create_session(request: Request) -> JSONResponse:
     """``POST /v1/sessions`` -> 201 Session; 409 when the id exists."""
     control = _control(request)
@@ -107,7 +122,7 @@ async def create_session(request: Request) -> JSONResponse:
     return _session(info, 201)
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", response_model=SessionOut, responses=_ONE)
 async def get_session(session_id: str, request: Request) -> JSONResponse:
     """``GET /v1/sessions/{id}``; 404 when unknown."""
     control = _control(request)
@@ -115,7 +130,12 @@ async def get_session(session_id: str, request: Request) -> JSONResponse:
     return _session(await _call(control.get, session_id, _tenant(request)))
 
 
-@router.patch("/{session_id}")
+@router.patch(
+    "/{session_id}",
+    response_model=SessionOut,
+    responses=error_responses(404, 422),
+    openapi_extra=body_schema(SessionUpdate),
+)
 async def update_session(session_id: str, request: Request) -> JSONResponse:
     """``PATCH /v1/sessions/{id}`` with ``ttl_seconds`` and/or ``pinned``."""
     from server.kv.control import UNSET
@@ -130,7 +150,7 @@ async def update_session(session_id: str, request: Request) -> JSONResponse:
     return _session(info)
 
 
-@router.delete("/{session_id}")
+@router.delete("/{session_id}", response_model=SessionDeletedOut, responses=_ONE)
 async def delete_session(session_id: str, request: Request) -> JSONResponse:
     """``DELETE /v1/sessions/{id}``: drop the session and the blocks only it used."""
     control = _control(request)
@@ -147,19 +167,19 @@ async def _set_pin(session_id: str, request: Request, pinned: bool) -> JSONRespo
     return _session(await _call(control.update, session_id, _tenant(request), pinned=pinned))
 
 
-@router.post("/{session_id}/pin")
+@router.post("/{session_id}/pin", response_model=SessionOut, responses=_ONE)
 async def pin_session(session_id: str, request: Request) -> JSONResponse:
     """``POST /v1/sessions/{id}/pin``: never evict this session's blocks."""
     return await _set_pin(session_id, request, True)
 
 
-@router.post("/{session_id}/unpin")
+@router.post("/{session_id}/unpin", response_model=SessionOut, responses=_ONE)
 async def unpin_session(session_id: str, request: Request) -> JSONResponse:
     """``POST /v1/sessions/{id}/unpin``."""
     return await _set_pin(session_id, request, False)
 
 
-@router.post("/{session_id}/prefetch")
+@router.post("/{session_id}/prefetch", response_model=PrefetchOut, responses=_ONE)
 async def prefetch_session(session_id: str, request: Request) -> JSONResponse:
     """``POST /v1/sessions/{id}/prefetch``: bring the session's blocks from disk into RAM."""
     control = _control(request)
@@ -176,7 +196,13 @@ async def prefetch_session(session_id: str, request: Request) -> JSONResponse:
     )
 
 
-@router.post("/{session_id}/copy")
+@router.post(
+    "/{session_id}/copy",
+    status_code=201,
+    response_model=SessionOut,
+    responses=error_responses(404, 409, 422),
+    openapi_extra=body_schema(SessionCopy),
+)
 async def copy_session(session_id: str, request: Request) -> JSONResponse:
     """``POST /v1/sessions/{id}/copy`` -> 201 the new session (blocks shared, not copied)."""
     control = _control(request)
