@@ -1,0 +1,239 @@
+"""Run the bundled server (``python -m server``) as a child process, for examples and notebooks.
+
+```python
+from examples.server_process import ServerProcess
+
+with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
+    model = ChatKVCache(base_url=server.url + "/v1")
+    ...
+    server.restart()  # same port, same cache dir: sessions and their KV survive
+```
+
+- The server listens on a free local port; :attr:`ServerProcess.url` is its root URL.
+- :meth:`ServerProcess.start` waits for ``GET /health`` to answer 200 and prints a progress line
+  every ``progress_every_s`` seconds; if the process exits first it raises
+  :class:`ServerStartError` with the tail of the server log.
+- :meth:`ServerProcess.stop` sends SIGTERM (the server's clean shutdown: it finishes writing
+  KV blocks to disk), then SIGKILL to the whole process group if it hangs.
+- :meth:`ServerProcess.restart` stops and starts again on the same port and cache dir.
+- Leaving the ``with`` block stops the server, also when the block raised.
+
+The server's output goes to ``<log_dir>/server.log`` (a temp folder by default), never to
+the caller's terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+__all__ = ["ServerProcess", "ServerStartError", "free_port", "locate_model"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Environment defaults for the child (a variable already set in ``os.environ`` wins)."""
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed unhealthy while starting; the message holds the log's tail."""
+
+
+def say(msg: str) -> None:
+    """Default progress printer."""
+    print(f"[server] {msg}", flush=True)
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def locate_model(progress: Callable[[str], None] = say) -> Path:
+    """The default model folder (SmolLM2-135M-Instruct), built from the offline GGUF once."""
+    from server.model import build_default_model, default_model_dir
+
+    if not (default_model_dir() / "config.json").is_file():
+        progress(f"building the default model into {default_model_dir()} (once, ~1 minute)...")
+    return build_default_model()
+
+
+class ServerProcess:
+    """One ``python -m server`` child process on a free port (see the module doc)."""
+
+    def __init__(
+        self,
+        cache_dir: Path | str | None = None,
+        flags: Sequence[str] = (),
+        *,
+        model: Path | str | None = None,
+        port: int | None = None,
+        log_dir: Path | str | None = None,
+        start_timeout_s: float = 600.0,
+        stop_timeout_s: float = 60.0,
+        progress_every_s: float = 10.0,
+        progress: Callable[[str], None] = say,
+    ) -> None:
+        """Describe the server; nothing starts until :meth:`start` (or ``with``).
+
+        Args:
+            cache_dir: the server's ``--cache-dir`` (session registry and KV block files);
+                ``None``: a new temp folder, kept across :meth:`restart`.
+            flags: further ``python -m server`` flags (ours and vLLM's), e.g.
+                ``["--max-model-len", "4096", "--kv-cache-memory-bytes", "256MiB"]``.
+            model: model folder, served under its path; ``None``: the default SmolLM2 folder
+                (built if missing), served as ``SmolLM2-135M-Instruct``.
+            port: TCP port; ``None``: a free one.
+            log_dir: folder of ``server.log``; ``None``: a new temp folder.
+            start_timeout_s: how long :meth:`start` waits for ``/health``.
+            stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+            progress_every_s: seconds between "still loading" lines while starting.
+            progress: where progress lines go (``print`` with a ``[server]`` prefix).
+        """
+        self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="lgkv-cache-"))
+        self.flags = list(flags)
+        self.model = Path(model) if model is not None else None
+        self.port = port or free_port()
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="lgkv-log-")) / "server.log"
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.progress_every_s = progress_every_s
+        self.progress = progress
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Root URL, e.g. ``http://127.0.0.1:41234`` (``ChatKVCache`` wants ``url + "/v1"``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (``GET /v1/models``), what ``ChatKVCache(model=...)`` sends."""
+        return str(httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+    @property
+    def running(self) -> bool:
+        """True while the child process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
+        if self.model is None:
+            locate_model(self.progress)  # the server serves it as "SmolLM2-135M-Instruct"
+            model_flags = []
+        else:
+            model_flags = ["--model", str(self.model)]
+        return [
+            sys.executable, "-m", "server", "serve", *model_flags,
+            "--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.flags,
+        ]  # fmt: skip
+
+    def start(self) -> ServerProcess:
+        """Start the server and wait until ``/health`` answers 200.
+
+        Raises:
+            ServerStartError: the process exited, or was not healthy after ``start_timeout_s``
+                (the process is stopped first); the message holds the log's last lines.
+        """
+        if self.running:
+            return self
+        cmd = self.command()
+        env = {**SERVER_ENV, **os.environ}
+        self.progress(f"starting: python {' '.join(cmd[1:])}")
+        self.progress(f"log: {self.log_path}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        t0 = last = time.monotonic()
+        while time.monotonic() - t0 < self.start_timeout_s:
+            if self._proc.poll() is not None:
+                raise ServerStartError(
+                    f"the server exited with code {self._proc.returncode} while starting; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.progress(f"ready at {self.url} after {time.monotonic() - t0:.0f}s")
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - last >= self.progress_every_s:
+                self.progress(f"loading the engine... {time.monotonic() - t0:.0f}s")
+                last = time.monotonic()
+            time.sleep(0.25)
+        raise ServerStartError(
+            f"the server was not healthy after {self.start_timeout_s:.0f}s; raise "
+            f"start_timeout_s or read {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (clean shutdown), SIGKILL of the process group if it hangs.
+
+        Returns the exit code (``None`` if it was not running). A clean stop reads 0 or -15
+        (uvicorn re-raises the SIGTERM it handled).
+        """
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self.progress("stopping...")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.progress(f"no exit after {self.stop_timeout_s:.0f}s: SIGKILL")
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            clean = proc.returncode in (0, -signal.SIGTERM)
+            self.progress("stopped cleanly" if clean else f"exited with {proc.returncode}")
+        return proc.returncode
+
+    def restart(self) -> ServerProcess:
+        """Stop, then start again on the same port and cache dir."""
+        self.stop()
+        return self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the server log."""
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
