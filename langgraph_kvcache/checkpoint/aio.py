@@ -44,11 +44,8 @@ from langgraph_kvcache.checkpoint.engine import (
     prepare_engine,
 )
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.kv_sessions import (
-    AsyncThreadSessions,
-    KVSessionOptions,
-    resolve_options,
-)
+from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions, resolve_options
+from langgraph_kvcache.checkpoint.kv_sessions_aio import AsyncThreadSessions
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")

@@ -1,8 +1,8 @@
 """Thread sessions: keep a KV-cache server's sessions in step with the checkpointer's threads.
 
 Given ``kv_server=``, :class:`~langgraph_kvcache.checkpoint.SQLAlchemySaver` hands its lifecycle
-hooks (:mod:`.hooks`) to :class:`ThreadSessions` (:class:`AsyncThreadSessions` for
-``AsyncSQLAlchemySaver``). Each (``thread_id``, checkpoint namespace) maps to the server session
+hooks (:mod:`.hooks`) to :class:`ThreadSessions` (:class:`.kv_sessions_aio.AsyncThreadSessions`
+for ``AsyncSQLAlchemySaver``). Each (``thread_id``, checkpoint namespace) maps to the server session
 :func:`~langgraph_kvcache.sessions.session_id_for` names (the one ``ChatKVCache`` sends), kept
 in the ``checkpoint_kv_sessions`` table (:mod:`.kv_store`):
 
@@ -26,12 +26,11 @@ at once; ``get_tuple`` in the background at most every ``retry_interval_s``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +41,6 @@ from langgraph_kvcache.checkpoint import kv_store
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.kv_store import SessionCall
 from langgraph_kvcache.client import (
-    AsyncKVCacheClient,
     KVCacheClient,
     KVCacheClientError,
     ServerUnavailableError,
@@ -52,10 +50,9 @@ from langgraph_kvcache.client import (
 from langgraph_kvcache.sessions import session_id_for, strip_task_ids, thread_session_prefix
 
 if TYPE_CHECKING:
-    from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
     from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
 
-__all__ = ["AsyncThreadSessions", "KVSessionOptions", "ThreadSessions", "resolve_options"]
+__all__ = ["KVSessionOptions", "ThreadSessions", "resolve_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +111,7 @@ def resolve_options(
     return KVSessionOptions(str(kv_server), api_key=kv_api_key, ttl_seconds=ttl_seconds)
 
 
-class _Tracker:
+class Tracker:
     """Per-process memory: when each (thread, namespace) was last recorded and prefetched, and
     whether the outbox may hold calls. Thread-safe."""
 
@@ -154,18 +151,28 @@ class _Tracker:
         return True
 
 
-def _key(config: RunnableConfig) -> tuple[str, str]:
+def warm_plan(
+    options: KVSessionOptions, found: CheckpointTuple | None, new: bool
+) -> tuple[bool, bool]:
+    """(register the session, prefetch its KV) after a ``get_tuple``. A thread with no
+    checkpoint has no KV to prefetch; its session is registered only when it will carry the
+    saver's TTL (a ``get_state`` of an unknown thread must not leave an immortal session)."""
+    register = new and (found is not None or options.ttl_seconds is not None)
+    return register, found is not None
+
+
+def thread_key(config: RunnableConfig) -> tuple[str, str]:
     configurable = config["configurable"]
     return str(configurable["thread_id"]), strip_task_ids(configurable.get("checkpoint_ns", ""))
 
 
-def _delete_calls(thread_ids: Sequence[str], sessions: Sequence[str]) -> list[SessionCall]:
+def delete_calls(thread_ids: Sequence[str], sessions: Sequence[str]) -> list[SessionCall]:
     """Drop every recorded session of the threads, and their root session in any case."""
     ids = dict.fromkeys([*sessions, *(thread_session_prefix(t) for t in thread_ids)])
     return [SessionCall("delete", sid) for sid in ids]
 
 
-def _copy_calls(
+def copy_calls(
     source: str, target: str, pairs: Sequence[tuple[str, str]]
 ) -> tuple[list[SessionCall], list[tuple[str, str]]]:
     """Fork each of the source's sessions (root included) to the target's; target rows."""
@@ -177,7 +184,7 @@ def _copy_calls(
     return calls, [(target, ns) for ns in namespaces]
 
 
-def _logged(fn: Callable[..., Any], *args: Any) -> None:
+def run_logged(fn: Callable[..., Any], *args: Any) -> None:
     """Run a background job; its failure (e.g. the database gone) is logged, not lost."""
     try:
         fn(*args)
@@ -185,15 +192,7 @@ def _logged(fn: Callable[..., Any], *args: Any) -> None:
         logger.exception("background KV session job %s failed", getattr(fn, "__name__", fn))
 
 
-async def _alogged(coro: Coroutine[Any, Any, Any]) -> None:
-    """Async :func:`_logged`."""
-    try:
-        await coro
-    except Exception:
-        logger.exception("background KV session job failed")
-
-
-def _unavailable(what: str, exc: Exception) -> None:
+def log_unavailable(what: str, exc: Exception) -> None:
     logger.warning("KV-cache server unavailable, %s later: %s", what, exc)
 
 
@@ -209,29 +208,45 @@ class ThreadSessions(LifecycleHooks):
         self.client = KVCacheClient(
             options.server_url, options.api_key, timeout=options.call_timeout_s
         )
-        self._tracker = _Tracker(options)
+        self._tracker = Tracker(options)
         self._drain_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lgkv-sessions")
+        self._jobs: set[Future[None]] = set()
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        job = self._background.submit(run_logged, fn, *args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+
+    def _settle(self) -> None:
+        """Let background calls finish first (bounded), so a register queued by ``get_tuple``
+        never lands after the delete or copy that follows it."""
+        if self._jobs:
+            wait(list(self._jobs), timeout=2 * self.options.call_timeout_s + 1)
 
     # -- hooks -----------------------------------------------------------------------------
 
     def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
-        key = _key(config)
+        key = thread_key(config)
         due, new = self._tracker.due(key)
         if due:
             self.saver._run(kv_store.op_touch(self.saver.dialect, [key], time.time()), "single")
-            self._background.submit(_logged, self._warm, session_id_for(*key), new)
+            register, prefetch = warm_plan(self.options, found, new)
+            if register or prefetch:
+                self._submit(self._warm, session_id_for(*key), register, prefetch)
         if self._tracker.retry_due():
-            self._background.submit(_logged, self.drain)
+            self._submit(self.drain)
 
     def _after_delete_threads(self, thread_ids: Sequence[str]) -> None:
+        self._settle()
         sessions = self.saver._run(kv_store.op_forget(thread_ids), "write")
         self._tracker.forget(thread_ids)
-        self.send(_delete_calls(thread_ids, sessions))
+        self.send(delete_calls(thread_ids, sessions))
 
     def _after_copy_thread(self, source: str, target: str) -> None:
+        self._settle()
         pairs = self.saver._run(kv_store.op_namespaces([source]))
-        calls, rows = _copy_calls(source, target, pairs)
+        calls, rows = copy_calls(source, target, pairs)
         self.saver._run(kv_store.op_touch(self.saver.dialect, rows, time.time()), "write")
         self.send(calls)
 
@@ -247,11 +262,12 @@ class ThreadSessions(LifecycleHooks):
         their sessions on the server); returns their ids. Without a TTL: nothing."""
         if self.options.ttl_seconds is None:
             return []
+        self._settle()
         cutoff = time.time() - self.options.ttl_seconds
         op = kv_store.op_sweep(self.saver._op_delete_threads, cutoff, limit)
         threads, sessions = self.saver._run(op, "write")
         self._tracker.forget(threads)
-        self.send(_delete_calls(threads, sessions))
+        self.send(delete_calls(threads, sessions))
         return threads
 
     def send(self, calls: Sequence[SessionCall]) -> None:
@@ -268,7 +284,7 @@ class ThreadSessions(LifecycleHooks):
             try:
                 self._apply(call)
             except ServerUnavailableError as exc:
-                _unavailable(f"{call.op} of {call.session_id!r} queued for", exc)
+                log_unavailable(f"{call.op} of {call.session_id!r} queued for", exc)
                 self.saver._run(kv_store.op_enqueue(calls[i:], str(exc)), "write")
                 self._tracker.outbox_pending = True
                 return
@@ -289,7 +305,7 @@ class ThreadSessions(LifecycleHooks):
                     try:
                         self._apply(row.call)
                     except ServerUnavailableError as exc:
-                        _unavailable(f"{len(rows)}+ pending session calls retried", exc)
+                        log_unavailable(f"{len(rows)}+ pending session calls retried", exc)
                         self.saver._run(kv_store.op_failed(row.id, str(exc)), "single")
                         self._tracker.outbox_pending = True
                         return sent
@@ -324,159 +340,14 @@ class ThreadSessions(LifecycleHooks):
         except SessionNotFoundError:
             return
 
-    def _warm(self, session_id: str, register: bool) -> None:
+    def _warm(self, session_id: str, register: bool, prefetch: bool) -> None:
         """Background job of ``get_tuple``: register a new session, prefetch its KV."""
         if register:
             self.send([SessionCall("register", session_id)])
+        if not prefetch:
+            return
         try:
             self.client.prefetch(session_id)
-        except SessionNotFoundError:
-            pass
-        except KVCacheClientError as exc:
-            logger.warning("prefetch of session %r failed: %s", session_id, exc)
-
-
-class AsyncThreadSessions(LifecycleHooks):
-    """Async twin of :class:`ThreadSessions` for :class:`AsyncSQLAlchemySaver` (its background
-    calls are tasks on the saver's loop)."""
-
-    def __init__(self, saver: AsyncSQLAlchemySaver, options: KVSessionOptions) -> None:
-        self.saver = saver
-        self.options = options
-        self.client = AsyncKVCacheClient(
-            options.server_url, options.api_key, timeout=options.call_timeout_s
-        )
-        self._tracker = _Tracker(options)
-        self._drain_lock: asyncio.Lock | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(_alogged(coro))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    # -- hooks -----------------------------------------------------------------------------
-
-    async def _aafter_get_tuple(
-        self, config: RunnableConfig, found: CheckpointTuple | None
-    ) -> None:
-        key = _key(config)
-        due, new = self._tracker.due(key)
-        if due:
-            op = kv_store.op_touch(self.saver.dialect, [key], time.time())
-            await self.saver._run(op, "single")
-            self._spawn(self._warm(session_id_for(*key), new))
-        if self._tracker.retry_due():
-            self._spawn(self.drain())
-
-    async def _aafter_delete_threads(self, thread_ids: Sequence[str]) -> None:
-        sessions = await self.saver._run(kv_store.op_forget(thread_ids), "write")
-        self._tracker.forget(thread_ids)
-        await self.send(_delete_calls(thread_ids, sessions))
-
-    async def _aafter_copy_thread(self, source: str, target: str) -> None:
-        pairs = await self.saver._run(kv_store.op_namespaces([source]))
-        calls, rows = _copy_calls(source, target, pairs)
-        await self.saver._run(kv_store.op_touch(self.saver.dialect, rows, time.time()), "write")
-        await self.send(calls)
-
-    async def _aafter_delete_for_runs(
-        self, run_ids: Sequence[str], thread_ids: Sequence[str]
-    ) -> None:
-        emptied = await self.saver._run(kv_store.op_threads_without_checkpoints(thread_ids))
-        if emptied:
-            await self._aafter_delete_threads(emptied)
-
-    # -- public ----------------------------------------------------------------------------
-
-    async def sweep_expired(self, *, limit: int = 1000) -> list[str]:
-        """See :meth:`ThreadSessions.sweep_expired`."""
-        if self.options.ttl_seconds is None:
-            return []
-        cutoff = time.time() - self.options.ttl_seconds
-        op = kv_store.op_sweep(self.saver._op_delete_threads, cutoff, limit)
-        threads, sessions = await self.saver._run(op, "write")
-        self._tracker.forget(threads)
-        await self.send(_delete_calls(threads, sessions))
-        return threads
-
-    async def send(self, calls: Sequence[SessionCall]) -> None:
-        """See :meth:`ThreadSessions.send`."""
-        if not calls:
-            return
-        if self._tracker.outbox_pending is not False:
-            op = kv_store.op_enqueue(calls, "queued behind pending calls")
-            await self.saver._run(op, "write")
-            self._tracker.outbox_pending = True
-            await self.drain()
-            return
-        for i, call in enumerate(calls):
-            try:
-                await self._apply(call)
-            except ServerUnavailableError as exc:
-                _unavailable(f"{call.op} of {call.session_id!r} queued for", exc)
-                await self.saver._run(kv_store.op_enqueue(calls[i:], str(exc)), "write")
-                self._tracker.outbox_pending = True
-                return
-            except KVCacheClientError as exc:
-                logger.warning("session call %s refused: %s", call, exc)
-
-    async def drain(self) -> int:
-        """See :meth:`ThreadSessions.drain`."""
-        if self._drain_lock is None:
-            self._drain_lock = asyncio.Lock()
-        sent = 0
-        async with self._drain_lock:
-            while True:
-                rows = await self.saver._run(kv_store.op_pending(_DRAIN_BATCH))
-                if not rows:
-                    self._tracker.outbox_pending = False
-                    return sent
-                for row in rows:
-                    try:
-                        await self._apply(row.call)
-                    except ServerUnavailableError as exc:
-                        _unavailable(f"{len(rows)}+ pending session calls retried", exc)
-                        await self.saver._run(kv_store.op_failed(row.id, str(exc)), "single")
-                        self._tracker.outbox_pending = True
-                        return sent
-                    except KVCacheClientError as exc:
-                        logger.warning("dropping session call %s: %s", row.call, exc)
-                    await self.saver._run(kv_store.op_done(row.id), "single")
-                    sent += 1
-
-    async def aclose(self) -> None:
-        """Wait for background calls (bounded by ``call_timeout_s`` each), close the client."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.client.aclose()
-
-    # -- server calls ----------------------------------------------------------------------
-
-    async def _apply(self, call: SessionCall) -> None:
-        """See :meth:`ThreadSessions._apply`."""
-        try:
-            if call.op == "delete":
-                await self.client.delete_session(call.session_id)
-            elif call.op == "copy":
-                assert call.target_id is not None
-                await self.client.copy_session(call.session_id, call.target_id, overwrite=True)
-            else:
-                ttl = self.options.ttl_seconds
-                try:
-                    await self.client.create_session(call.session_id, ttl_seconds=ttl)
-                except SessionExistsError:
-                    if ttl is not None:
-                        await self.client.update_session(call.session_id, ttl_seconds=ttl)
-        except SessionNotFoundError:
-            return
-
-    async def _warm(self, session_id: str, register: bool) -> None:
-        """See :meth:`ThreadSessions._warm`."""
-        if register:
-            await self.send([SessionCall("register", session_id)])
-        try:
-            await self.client.prefetch(session_id)
         except SessionNotFoundError:
             pass
         except KVCacheClientError as exc:
