@@ -16,7 +16,8 @@ with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
 - :meth:`ServerProcess.stop` sends SIGTERM (the server's clean shutdown: it finishes writing
   KV blocks to disk), then SIGKILL to the whole process group if it hangs.
 - :meth:`ServerProcess.restart` stops and starts again on the same port and cache dir.
-- Leaving the ``with`` block stops the server, also when the block raised.
+- Leaving the ``with`` block stops the server, also when the block raised; so does the end of
+  the Python process (``atexit``), e.g. a notebook kernel shut down after a failed cell.
 
 The server's output goes to ``<log_dir>/server.log`` (a temp folder by default), never to
 the caller's terminal.
@@ -24,6 +25,7 @@ the caller's terminal.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -157,6 +159,7 @@ class ServerProcess:
         env = {**SERVER_ENV, **os.environ}
         self.progress(f"starting: python {' '.join(cmd[1:])}")
         self.progress(f"log: {self.log_path}")
+        atexit.register(self.stop)  # a kernel or script that dies mid-way still stops it
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
@@ -203,6 +206,7 @@ class ServerProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
+        atexit.unregister(self.stop)
         if proc.poll() is None:
             self.progress("stopping...")
             proc.send_signal(signal.SIGTERM)
