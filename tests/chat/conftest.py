@@ -11,14 +11,13 @@ receives (method, path, headers, JSON body) and answers:
   tests script the server's side of the exchange.
 
 It stands in for the bundled vLLM server in unit tests; the real server is exercised by
-``tests/chat/test_integration_standard.py``.
+``tests/integration/chat/test_integration_standard.py`` (with the integration suite's server).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -239,17 +238,3 @@ def recorder(_recording_server: RecordingServer) -> RecordingServer:
     """The session's recording server, emptied of requests and queued answers for this test."""
     _recording_server.reset()
     return _recording_server
-
-
-@pytest.fixture(scope="session")
-def kv_server_url() -> str:
-    """Root URL of a running bundled server for tests/chat/test_integration_standard.py.
-
-    ``$LGKV_TEST_SERVER_URL`` when set (start one with ``python -m server serve ...``); otherwise
-    the tests that need it are skipped. The integration suite's own server fixture replaces this
-    one once it provides ``kv_server_url`` to this folder.
-    """
-    url = os.environ.get("LGKV_TEST_SERVER_URL")
-    if not url:
-        pytest.skip("no server: set LGKV_TEST_SERVER_URL to a running langgraph-kvcache server")
-    return url.rstrip("/")

@@ -1,8 +1,7 @@
 """ChatKVCache and the session client against the real bundled server.
 
-Needs a session-scoped fixture ``kv_server_url`` (the server root, e.g. ``http://127.0.0.1:8000``)
-serving one model with the session KV connector on and no API key (or ``LGKV_API_KEY`` set to
-it). Without one every test here is skipped (see ``kv_server_url`` in tests/chat/conftest.py).
+``kv_server_url`` (tests/integration/chat/conftest.py) is the integration suite's shared server
+(``server_url``): one model with the session KV connector on and no API key.
 
 The model is whatever the server serves (read from ``/v1/models``); the skips below are what a
 135M-parameter model cannot be relied on to do, not what the server or ChatKVCache lacks.
@@ -30,6 +29,8 @@ from langgraph_kvcache.client import SessionNotFoundError
 
 pytestmark = pytest.mark.vllm
 
+RANDOM_WEIGHT_MODELS = frozenset({"tiny-llama"})
+"""Served names of random-weight test models (tests/integration/conftest.py's shared server)."""
 BLOCK_TOKENS = 128  # vLLM's KV block size on CPU; only whole blocks are cached
 # Several KV blocks long, so a second request with the same history can reuse whole blocks.
 LONG_SYSTEM = "You are a careful assistant. Answer briefly. " + " ".join(
@@ -109,7 +110,10 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def has_structured_output(self) -> bool:
-        return True  # json_schema (the default method) is grammar-constrained by vLLM
+        # json_schema (the default method) is grammar-constrained by vLLM, and SmolLM2 ends the
+        # JSON; the suite's random-weight model fills the grammar's whitespace until the length
+        # limit (LengthFinishReasonError after ~2000 tokens), so the checks are skipped for it.
+        return self._model_name not in RANDOM_WEIGHT_MODELS
 
     @property
     def supports_json_mode(self) -> bool:
