@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 100
 _MAX_TRACKED = 10_000
+IDLE_OUTBOX_CHECK_S = 60.0
+"""How often ``get_tuple`` looks at an outbox this process left empty."""
 
 
 @dataclass(frozen=True)
@@ -136,16 +138,20 @@ class Tracker:
             return True, last is None
 
     def forget(self, thread_ids: Sequence[str]) -> None:
+        """Drop deleted threads (a reused id starts afresh: registered again)."""
         gone = set(thread_ids)
         with self._lock:
             self._last = {k: t for k, t in self._last.items() if k[0] not in gone}
 
     def retry_due(self) -> bool:
-        """Whether ``get_tuple`` should drain the outbox now (and note that it does)."""
-        if self.outbox_pending is False:
-            return False
+        """Whether ``get_tuple`` should drain the outbox now (and note that it does): every
+        ``retry_interval_s`` while calls are pending, every :data:`IDLE_OUTBOX_CHECK_S` when
+        this process left it empty (another process sharing the database may have queued)."""
         now = time.monotonic()
-        if now - self.last_retry < self.options.retry_interval_s:
+        interval = self.options.retry_interval_s
+        if self.outbox_pending is False:
+            interval = max(interval, IDLE_OUTBOX_CHECK_S)
+        if now - self.last_retry < interval:
             return False
         self.last_retry = now
         return True
@@ -162,6 +168,7 @@ def warm_plan(
 
 
 def thread_key(config: RunnableConfig) -> tuple[str, str]:
+    """(thread id, namespace without task ids) of a ``get_tuple`` config."""
     configurable = config["configurable"]
     return str(configurable["thread_id"]), strip_task_ids(configurable.get("checkpoint_ns", ""))
 
@@ -193,6 +200,7 @@ def run_logged(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def log_unavailable(what: str, exc: Exception) -> None:
+    """The one warning a failed server call leaves (the call itself waits in the outbox)."""
     logger.warning("KV-cache server unavailable, %s later: %s", what, exc)
 
 
