@@ -89,3 +89,16 @@ def test_ttl_needs_a_server() -> None:
     engine = create_engine("sqlite://")
     with pytest.raises(ValueError, match="need kv_server"):
         SQLAlchemySaver(engine, ttl_seconds=60)
+
+
+def test_session_options_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="ttl_seconds must be > 0"):
+        KVSessionOptions("http://127.0.0.1:1", ttl_seconds=0)
+    with pytest.raises(ValueError, match="call_timeout_s must be >= 0"):
+        KVSessionOptions("http://127.0.0.1:1", call_timeout_s=-1)
+    with pytest.raises(ValueError, match="inside KVSessionOptions"):
+        SQLAlchemySaver(
+            create_engine("sqlite://"),
+            kv_server=KVSessionOptions("http://127.0.0.1:1"),
+            ttl_seconds=5,
+        )
