@@ -241,6 +241,7 @@ class SessionControl:
         validate_session_id(session_id)
         self._purge()
         row = self._row(session_id, tenant)
+        self.registry.mark_managed(tenant, session_id)
         if self.engine_client is not None and row.num_blocks:
             from vllm import SamplingParams  # the API process has vLLM loaded already
 

@@ -8,6 +8,11 @@ usually returns within its gap stays. A block shared by several sessions takes t
 favourable (smallest) lateness. Blocks no session references (content-only reuse) use their
 own last access and the default gap. Pinned sessions' blocks are never evicted from disk and
 leave RAM last.
+
+Sessions a client manages through the session API (a checkpointer registers its threads,
+prefetches them on resume, forks them) are live conversations with an owner that will come
+back: their blocks go only after every block of unmanaged sessions and of no session, and their
+expected gap is at least a tenth of their TTL, so a thread within its TTL stays "expected".
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class SessionOutlook:
     """Mean seconds between the session's turns (or the default)."""
     pinned: bool
     """Pinned sessions are kept."""
+    managed: bool = False
+    """Managed through the session API (see the module doc)."""
 
 
 class EvictionPolicy:
@@ -67,6 +74,12 @@ class EvictionPolicy:
         """The block keys of a session as last known."""
         return list(self._blocks_of.get((tenant, session_id), []))
 
+    def is_managed(self, key: str) -> bool:
+        """True if a managed session references the block."""
+        return any(
+            self._sessions[s].managed for s in self._refs.get(key, ()) if s in self._sessions
+        )
+
     def is_pinned(self, key: str) -> bool:
         """True if a pinned session references the block."""
         return any(self._sessions[s].pinned for s in self._refs.get(key, ()) if s in self._sessions)
@@ -84,17 +97,20 @@ class EvictionPolicy:
 
         Pinned blocks come last when ``allow_pinned`` and are left out otherwise."""
         now = time.time()
-        ranked: list[tuple[int, float, float, str]] = []
+        ranked: list[tuple[int, int, float, float, str]] = []
         for key, last_access in candidates:
             pinned = self.is_pinned(key)
             if pinned and not allow_pinned:
                 continue
-            ranked.append((int(pinned), -self.lateness(key, last_access, now), last_access, key))
+            lateness = self.lateness(key, last_access, now)
+            ranked.append((int(pinned), int(self.is_managed(key)), -lateness, last_access, key))
         ranked.sort()
-        return [r[3] for r in ranked]
+        return [r[4] for r in ranked]
 
     def _outlook(self, s: SessionRow) -> SessionOutlook:
-        gap = s.gap_mean if s.gap_count > 0 else self.default_gap_s
+        gap = max(s.gap_mean if s.gap_count > 0 else self.default_gap_s, self.min_gap_s)
+        if s.managed and s.ttl_seconds:
+            gap = max(gap, s.ttl_seconds / 10)
         return SessionOutlook(
-            last_used_at=s.last_used_at, expected_gap_s=max(gap, self.min_gap_s), pinned=s.pinned
+            last_used_at=s.last_used_at, expected_gap_s=gap, pinned=s.pinned, managed=s.managed
         )

@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     created_at REAL NOT NULL, last_used_at REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0, ttl_seconds REAL,
     gap_count INTEGER NOT NULL DEFAULT 0, gap_mean REAL NOT NULL DEFAULT 0,
+    managed INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, id)
 );
 CREATE TABLE IF NOT EXISTS session_blocks (
@@ -53,7 +54,7 @@ _DROPS_KEPT = 100_000
 
 _SESSION_COLS = (
     "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
-    "gap_count, gap_mean"
+    "gap_count, gap_mean, managed"
 )
 
 
@@ -71,6 +72,9 @@ class SessionRow:
     ttl_seconds: float | None
     gap_count: int
     gap_mean: float
+    managed: bool = False
+    """Registered through the session API (by a checkpointer): its owner will come back, so
+    the eviction policy keeps it after sessions that only requests created."""
     num_blocks: int = 0
 
     @property
@@ -107,6 +111,9 @@ class Registry:
             cols = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
             if "redis" not in cols:  # registries from before the Redis tier
                 db.execute("ALTER TABLE blocks ADD COLUMN redis INTEGER NOT NULL DEFAULT 0")
+            cols = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
+            if "managed" not in cols:  # registries from before managed sessions
+                db.execute("ALTER TABLE sessions ADD COLUMN managed INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -166,7 +173,7 @@ class Registry:
         with self._write() as db:
             cur = db.execute(
                 "INSERT OR IGNORE INTO sessions (tenant, id, created_at, last_used_at, pinned, "
-                "ttl_seconds) VALUES (?, ?, ?, ?, ?, ?)",
+                "ttl_seconds, managed) VALUES (?, ?, ?, ?, ?, ?, 1)",
                 (tenant, session_id, now, now, int(pinned), ttl_seconds),
             )
             return cur.rowcount == 1
@@ -187,6 +194,9 @@ class Registry:
             ).fetchone()
             if found is None:
                 return False
+            db.execute(
+                "UPDATE sessions SET managed = 1 WHERE tenant = ? AND id = ?", (tenant, session_id)
+            )
             if set_ttl:
                 db.execute(
                     "UPDATE sessions SET ttl_seconds = ? WHERE tenant = ? AND id = ?",
@@ -243,6 +253,13 @@ class Registry:
                 [(tenant, session_id, i, k) for i, k in enumerate(keys)],
             )
 
+    def mark_managed(self, tenant: str, session_id: str) -> None:
+        """Note that a client manages the session (e.g. asked to prefetch it on resume)."""
+        with self._write() as db:
+            db.execute(
+                "UPDATE sessions SET managed = 1 WHERE tenant = ? AND id = ?", (tenant, session_id)
+            )
+
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys in prefix order."""
         rows = self._read(
@@ -278,7 +295,8 @@ class Registry:
             num_tokens, turns, _pinned, ttl, gap_count, gap_mean = src
             db.execute(
                 "INSERT INTO sessions (tenant, id, num_tokens, turns, created_at, last_used_at, "
-                "pinned, ttl_seconds, gap_count, gap_mean) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
+                "pinned, ttl_seconds, gap_count, gap_mean, managed) "
+                "VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, 1)",
                 (tenant, target, num_tokens, turns, now, now, ttl, gap_count, gap_mean),
             )
             db.execute(
@@ -403,7 +421,8 @@ def _row(r: tuple) -> SessionRow:
         ttl_seconds=None if r[7] is None else float(r[7]),
         gap_count=int(r[8]),
         gap_mean=float(r[9]),
-        num_blocks=int(r[10]),
+        managed=bool(r[10]),
+        num_blocks=int(r[11]),
     )
 
 

@@ -253,6 +253,32 @@ def test_policy_prefers_overdue_sessions() -> None:
     assert "k3" not in policy.order([("k3", 0)], allow_pinned=False)
 
 
+def test_policy_keeps_managed_sessions_after_unmanaged_ones() -> None:
+    policy = EvictionPolicy(default_gap_s=60, min_gap_s=1)
+    now = time.time()
+    # "live" is a checkpointer's thread, idle far longer than the anonymous session.
+    live = SessionRow("t", "live", 0, 3, now, now - 3600, False, 86400.0, 2, 5, managed=True)
+    anon = SessionRow("t", "anon", 0, 3, now, now - 10, False, None, 2, 5)
+    policy.load([live, anon], [("t", "live", "k1"), ("t", "anon", "k2")])
+    # By lateness alone the managed block would go first (720 gaps vs 2); managed ranks it last,
+    # and its TTL stretches its expected gap to a tenth of the TTL.
+    order = policy.order([("k1", 0), ("k2", 0), ("k3", now)], allow_pinned=True)
+    assert order[-1] == "k1" and sorted(order[:2]) == ["k2", "k3"]
+    assert policy.lateness("k1", 0, now) == pytest.approx(3600 / 8640)
+
+
+def test_session_api_calls_mark_sessions_managed(tmp_path: Path) -> None:
+    sched = make(tmp_path, ram_blocks=4, disk_blocks=6)
+    reg = sched.registry
+    reg.record_turn("t", "by-request", ["a"], 128, default_ttl_s=None)
+    reg.record_turn("t", "resumed", ["b"], 128, default_ttl_s=None)
+    reg.create_session("t", "created", ttl_seconds=60.0, pinned=False)
+    reg.mark_managed("t", "resumed")
+    assert reg.copy_session("t", "by-request", "forked", overwrite=False) == "ok"
+    managed = {r.id: r.managed for r in reg.policy_snapshot()[0]}
+    assert managed == {"by-request": False, "resumed": True, "created": True, "forked": True}
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_traffic_keeps_invariants(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
