@@ -7,6 +7,9 @@ are session-scoped: one engine per test session, never one per test.
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,3 +38,80 @@ def tiny_model_dir(smollm2_dir: Path) -> Path:
 
     out = default_cache_dir() / "models" / "tiny-llama-h32"
     return build_tiny_model(out, tokenizer_from=smollm2_dir)
+
+
+# ---------------------------------------------------------------------------- databases
+# PostgreSQL tests use the server on 127.0.0.1:5432 (trust auth). Each test database is created
+# as ``lgkv_<random>`` in autocommit mode from an admin database and dropped at teardown; when the
+# server is unreachable those tests skip with the reason and everything else runs.
+PG_HOST, PG_PORT = "127.0.0.1", 5432
+PG_USERS = ("postgres", "root")
+PG_ADMIN_DBS = ("postgres", "test")
+
+
+def _admin_conninfo() -> str | None:
+    import psycopg
+
+    for user in PG_USERS:
+        for dbname in PG_ADMIN_DBS:
+            conninfo = f"host={PG_HOST} port={PG_PORT} user={user} dbname={dbname}"
+            try:
+                with psycopg.connect(conninfo, connect_timeout=3):
+                    return conninfo
+            except psycopg.Error:
+                continue
+    return None
+
+
+@pytest.fixture(scope="session")
+def pg_admin() -> str:
+    """Admin conninfo for the local PostgreSQL server; skips the test when it is unreachable."""
+    conninfo = _admin_conninfo()
+    if conninfo is None:
+        pytest.skip(f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT} (users {PG_USERS})")
+    return conninfo
+
+
+@contextmanager
+def fresh_pg_database(admin: str) -> Iterator[str]:
+    """Create ``lgkv_<random>``, yield its ``postgresql://`` URL, drop it afterwards."""
+    import psycopg
+
+    name = f"lgkv_{uuid.uuid4().hex[:12]}"
+    user = dict(part.split("=", 1) for part in admin.split())["user"]
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql://{user}@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def new_pg_database(pg_admin: str) -> Callable[[], AbstractContextManager[str]]:
+    """Makes fresh PostgreSQL databases on demand: ``with new_pg_database() as url``."""
+    return lambda: fresh_pg_database(pg_admin)
+
+
+@pytest.fixture
+def pg_url(pg_admin: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    with fresh_pg_database(pg_admin) as url:
+        yield url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A fresh SQLite file for one test."""
+    return f"sqlite:///{tmp_path / 'checkpoints.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh database of each kind: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'checkpoints.db'}"
+        return
+    with fresh_pg_database(request.getfixturevalue("pg_admin")) as url:
+        yield url
