@@ -19,7 +19,6 @@ server must leave it running.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -153,46 +152,11 @@ def _reap_group(pgid: int) -> None:
 
 ServerFactory = Callable[..., ServerProcess]
 
-CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes vLLM 0.32's CPU attention backend accepts (``CPUAttentionBackend``)."""
-
-
-def _head_dim(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-
 
 @pytest.fixture(scope="session")
-def server_model_dir(tiny_model_dir: Path, smollm2_dir: Path) -> Path:
-    """The random tiny Llama the test servers load.
-
-    ``tiny_model_dir`` when vLLM's CPU attention takes its head size; else (a 16-wide head
-    is rejected at the first forward pass) the same recipe with 32-wide heads, built once
-    next to it from SmolLM2's tokenizer.
-    """
-    if _head_dim(tiny_model_dir) in CPU_ATTENTION_HEAD_SIZES:
-        return tiny_model_dir
-    out = tiny_model_dir.with_name(tiny_model_dir.name + "-hd32")
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=True, torch_dtype="float32",
-    )  # fmt: skip
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if getattr(tok, "chat_template", None):
-        (tmp / "chat_template.jinja").write_text(tok.chat_template)
-    tmp.rename(out)
-    return out
+def server_model_dir(tiny_model_dir: Path) -> Path:
+    """The random tiny Llama the test servers load (head size 32: vLLM's CPU minimum)."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -18,42 +18,8 @@ DISK_BLOCKS = 24
 
 
 def kv_model(tiny_model_dir: Path) -> Path:
-    """The tiny model if the CPU attention kernel supports its head size (>= 32), else a
-    same-tokenizer variant with head size 32 built next to it."""
-    cfg = json.loads((tiny_model_dir / "config.json").read_text())
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if head >= 32:
-        return tiny_model_dir
-    out = tiny_model_dir.parent / "tiny-llama-hd32"
-    if not (out / "config.json").is_file():
-        _build_hd32(tiny_model_dir, out)
-    return out
-
-
-def _build_hd32(src: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(src)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if (src / "chat_template.jinja").exists():
-        (tmp / "chat_template.jinja").write_text((src / "chat_template.jinja").read_text())
-    tmp.rename(out)
+    """The model of the connector's engine tests: the tiny random Llama."""
+    return tiny_model_dir
 
 
 def block_bytes_of(model_dir: Path) -> int:
