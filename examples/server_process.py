@@ -17,7 +17,9 @@ with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
   KV blocks to disk), then SIGKILL to the whole process group if it hangs.
 - :meth:`ServerProcess.restart` stops and starts again on the same port and cache dir.
 - Leaving the ``with`` block stops the server, also when the block raised; so does the end of
-  the Python process (``atexit``), e.g. a notebook kernel shut down after a failed cell.
+  the Python process (``atexit``), e.g. a notebook kernel shut down after a failed cell. On
+  Linux the server also gets SIGTERM when the thread that started it dies (a killed kernel),
+  so call :meth:`ServerProcess.start` from a thread that lives as long as the server.
 
 The server's output goes to ``<log_dir>/server.log`` (a temp folder by default), never to
 the caller's terminal.
@@ -26,6 +28,7 @@ the caller's terminal.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -49,6 +52,15 @@ SERVER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 """Environment defaults for the child (a variable already set in ``os.environ`` wins)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec, on Linux: get SIGTERM when the parent dies, so a killed
+    script or notebook kernel leaves no server behind (``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class ServerStartError(RuntimeError):
@@ -165,6 +177,7 @@ class ServerProcess:
             self._proc = subprocess.Popen(
                 cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
         try:
             self._wait_healthy()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -41,8 +42,11 @@ def test_notebook_runs(path: Path) -> None:
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
         f"{path.name} is committed with outputs; clear them (Jupyter: Clear All Outputs)"
     )
+    # A kernel shut down after a failed cell stops its server at exit: give it time to.
+    km = KernelManager(kernel_name="python3", shutdown_wait_time=90)
     client = NotebookClient(
         nb,
+        km=km,
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
         resources={"metadata": {"path": str(REPO_ROOT)}},
