@@ -23,6 +23,9 @@ NOTEBOOKS = sorted((REPO_ROOT / "examples").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
 """Longest a single cell may run (a server start on a busy 2-core machine takes ~1 minute)."""
 
+PLOTS = {"02_agentic_rag": 1}
+"""Inline PNG figures a notebook must produce (matplotlib)."""
+
 pytestmark = pytest.mark.vllm
 
 
@@ -57,6 +60,10 @@ def test_notebook_runs(path: Path) -> None:
     except CellExecutionError as exc:
         pytest.fail(f"{path.name} failed:\n{exc}", pytrace=False)
     elapsed = time.monotonic() - t0
+    pngs = sum(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    )
+    assert pngs >= PLOTS.get(path.stem, 0), f"{path.name} showed {pngs} inline PNG plots"
     printed = [
         out.get("text", "")
         for cell in nb.cells
