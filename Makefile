@@ -16,7 +16,7 @@ lint:
 test:
 	@v=$(VENV); set -e; \
 	$$v/bin/ruff check langgraph_kvcache server tests benchmarks examples; \
-	$$v/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+	$$v/bin/python -m pytest -q -ra --timeout 1200 $(PYTEST_ARGS)
 
 demo:
 	@v=$(VENV); $$v/bin/python -m examples.demo
