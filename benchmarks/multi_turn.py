@@ -8,7 +8,8 @@ through vLLM's resident KV cache and push it out. Three servers run in one invoc
 - ``kvcache``: this server at the same resident budget, plus its RAM and disk tiers;
 - ``vllm-all``: plain vLLM with a resident budget that holds every conversation.
 
-For each server and turn it reports TTFT p50/p95 (from the first streamed token) and the prompt
+All three get the same engine flags (model, float32, eager mode, context length). For each
+server and turn it reports TTFT p50/p95 (from the first streamed token) and the prompt
 cache hit rate (``cached_tokens / prompt_tokens``), prints a table, writes JSON and a PNG plot.
 
     python benchmarks/multi_turn.py                   # the workload (about 10 minutes)
@@ -280,6 +281,9 @@ def main() -> None:
         "--served-model-name",
         "bench",
         "--enable-prompt-tokens-details",
+        # The same engine mode for all three: eager, as this server defaults to on CPU (vLLM's
+        # default compiled mode is slower for this small model at batch size 1).
+        "--enforce-eager",
     ]
     configs = {
         "vllm": (
