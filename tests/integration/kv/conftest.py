@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_engine import engine_kwargs, kv_model, make_llm
+from kv_engine import engine_kwargs, make_llm
 
 from server.kv.registry import Registry
 
 
 @pytest.fixture(scope="session")
 def kv_model_dir(tiny_model_dir: Path) -> Path:
-    return kv_model(tiny_model_dir)
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

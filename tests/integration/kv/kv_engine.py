@@ -17,11 +17,6 @@ RAM_BLOCKS = 8
 DISK_BLOCKS = 24
 
 
-def kv_model(tiny_model_dir: Path) -> Path:
-    """The model of the connector's engine tests: the tiny random Llama."""
-    return tiny_model_dir
-
-
 def block_bytes_of(model_dir: Path) -> int:
     """Bytes of one block of all layers (K and V, float32)."""
     cfg = json.loads((model_dir / "config.json").read_text())

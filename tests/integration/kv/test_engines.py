@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kv_engine import BLOCK, block_bytes_of, engine_kwargs, kv_model, run_engine_script
+from kv_engine import BLOCK, block_bytes_of, engine_kwargs, run_engine_script
 
 from server.kv.registry import Registry
 
@@ -56,7 +56,7 @@ def test_smollm2_second_turn_identical_from_ram_and_disk(smollm2_dir: Path, tmp_
 def test_prefetch_through_async_engine_in_another_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    model = kv_model(tiny_model_dir)
+    model = tiny_model_dir
     cache = tmp_path / "cache"
     engine = engine_kwargs(model, cache)
     ram_blocks = engine["kv_connector_extra_config"]["ram_bytes"] // block_bytes_of(model)
@@ -90,7 +90,7 @@ def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -
         redis.Redis.from_url(url).ping()
     except redis.exceptions.ConnectionError:
         pytest.skip("no Redis on 127.0.0.1:6379")
-    model = kv_model(tiny_model_dir)
+    model = tiny_model_dir
     prompt = [900 + i for i in range(3 * BLOCK + 20)]
     model_id = f"replica-test-{uuid.uuid4().hex}"  # a fresh Redis namespace; keys expire
 
