@@ -24,3 +24,7 @@ def pg_database_factory(
             yield url
 
     return factory
+
+
+collect_ignore = ["conformance_main"]
+"""The vendored main-branch conformance suite: its ``spec/test_*.py`` run through ``validate``."""
