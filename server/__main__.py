@@ -18,7 +18,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from server.config import ConfigError, ServerConfig, env_settings, parse_seconds, parse_size
+from server.config import (
+    KV_OFFLOAD_DTYPES,
+    ConfigError,
+    ServerConfig,
+    env_settings,
+    parse_seconds,
+    parse_size,
+)
 
 log = logging.getLogger("server")
 
@@ -51,6 +58,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--kv-session-ttl", type=_seconds, help="default session TTL in seconds")
     g.add_argument("--kv-redis-url", help="shared Redis tier, redis://host:6379/0")
+    g.add_argument(
+        "--kv-offload-dtype", choices=KV_OFFLOAD_DTYPES,
+        help="format of KV blocks in the tiers (auto: the engine's dtype, exact)",
+    )  # fmt: skip
     g.add_argument("--cache-dir", type=Path, help="session registry + blocks folder")
     g.add_argument("--max-body-bytes", type=_size, help="largest request body")
 
@@ -96,6 +107,7 @@ def help_parser() -> argparse.ArgumentParser:
         kv_disk_dir=str(cfg.disk_dir),
         kv_session_ttl=cfg.kv_session_ttl,
         kv_redis_url=cfg.kv_redis_url,
+        kv_offload_dtype=cfg.kv_offload_dtype,
         cache_dir=str(cfg.cache_dir),
         max_body_bytes=_human(cfg.max_body_bytes),
         no_kv_offload=not cfg.kv_offload,
@@ -140,6 +152,7 @@ def config_from_argv(argv: Sequence[str], env: dict[str, str] | None = None) -> 
         "kv_disk_bytes": ns.kv_disk_bytes,
         "kv_session_ttl": ns.kv_session_ttl,
         "kv_redis_url": ns.kv_redis_url,
+        "kv_offload_dtype": ns.kv_offload_dtype,
         "cache_dir": ns.cache_dir,
         "max_body_bytes": ns.max_body_bytes,
     }

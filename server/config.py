@@ -22,6 +22,7 @@ Environment variables (all optional):
 ``LGKV_NO_KV_OFFLOAD``     ``1`` runs plain vLLM prefix caching (``--no-kv-offload``)
 ``LGKV_KV_SESSION_TTL``    default session TTL in seconds (``--kv-session-ttl``)
 ``LGKV_KV_REDIS_URL``      shared Redis tier (``--kv-redis-url``)
+``LGKV_KV_OFFLOAD_DTYPE``  block format in the tiers, e.g. ``int8`` (``--kv-offload-dtype``)
 ``LGKV_CACHE_DIR``         project cache root; sessions default to ``<root>/kv`` (``--cache-dir``)
 ``LGKV_MAX_BODY_BYTES``    largest accepted request body (``--max-body-bytes``)
 ========================== ===================================================
@@ -44,6 +45,8 @@ DEFAULT_KV_RAM_BYTES = 1 << 30
 DEFAULT_KV_DISK_BYTES = 16 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_TOOL_CALL_PARSER = "hermes"
+KV_OFFLOAD_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
+"""Accepted ``--kv-offload-dtype`` values (``server.kv.codec`` implements them)."""
 
 _UNITS = {
     "": 1,
@@ -172,6 +175,13 @@ class ServerConfig:
     kv_redis_url: str | None = None
     """``redis://host:port/db`` of a shared Redis tier (replicas share KV); ``None``: off."""
 
+    kv_offload_dtype: str = "auto"
+    """Format of KV blocks in the RAM, disk and Redis tiers. ``auto``: the engine's dtype,
+    exact. ``float16``/``bfloat16``: half the bytes of float32. ``int8``: a quarter, with
+    per-block per-head scales. ``fp8``: float8 e4m3 with the same scales (where torch has it).
+    Budgets count the stored bytes, so a smaller format keeps more sessions; measured cost and
+    quality in docs/operations.md."""
+
     cache_dir: Path = field(default_factory=_default_cache_dir)
     """Folder of the session registry (``sessions.sqlite3``) and, by default, block files.
     Restarting on the same folder keeps every session."""
@@ -202,6 +212,11 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.kv_offload and self.kv_ram_bytes == 0:
             raise ConfigError("--kv-ram-bytes must be > 0 (use --no-kv-offload to turn it off)")
+        if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+            raise ConfigError(
+                f"--kv-offload-dtype/LGKV_KV_OFFLOAD_DTYPE must be one of "
+                f"{', '.join(KV_OFFLOAD_DTYPES)}; got {self.kv_offload_dtype!r}"
+            )
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key/LGKV_API_KEY must not contain empty keys")
 
@@ -254,6 +269,8 @@ def env_settings(env: Mapping[str, str]) -> dict[str, object]:
         out["kv_session_ttl"] = parse_seconds(v, name="LGKV_KV_SESSION_TTL")
     if (v := get("LGKV_KV_REDIS_URL")) is not None:
         out["kv_redis_url"] = v
+    if (v := get("LGKV_KV_OFFLOAD_DTYPE")) is not None:
+        out["kv_offload_dtype"] = v.strip().lower()
     if (v := get("LGKV_MAX_BODY_BYTES")) is not None:
         out["max_body_bytes"] = parse_size(v, name="LGKV_MAX_BODY_BYTES")
     return out

@@ -91,6 +91,7 @@ def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any
         "redis_url": config.kv_redis_url,
         "default_ttl_s": config.kv_session_ttl,
         "model_id": model_id,
+        "offload_dtype": config.kv_offload_dtype,
     }
 
 

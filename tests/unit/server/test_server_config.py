@@ -145,6 +145,7 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "redis_url": None,
         "default_ttl_s": 60.0,
         "model_id": str(tiny_model_dir),
+        "offload_dtype": "auto",
     }
     json.dumps(ktc.kv_connector_extra_config)  # plain JSON, travels to the engine process
 
