@@ -62,6 +62,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-offload-dtype", choices=KV_OFFLOAD_DTYPES,
         help="format of KV blocks in the tiers (auto: the engine's dtype, exact)",
     )  # fmt: skip
+    g.add_argument(
+        "--metrics-public", action="store_true", default=None,
+        help="serve /metrics without an API key even when --api-key is set",
+    )  # fmt: skip
     g.add_argument("--cache-dir", type=Path, help="session registry + blocks folder")
     g.add_argument("--max-body-bytes", type=_size, help="largest request body")
 
@@ -111,6 +115,7 @@ def help_parser() -> argparse.ArgumentParser:
         cache_dir=str(cfg.cache_dir),
         max_body_bytes=_human(cfg.max_body_bytes),
         no_kv_offload=not cfg.kv_offload,
+        metrics_public=cfg.metrics_public,
     )
     return parser
 
@@ -155,6 +160,7 @@ def config_from_argv(argv: Sequence[str], env: dict[str, str] | None = None) -> 
         "kv_offload_dtype": ns.kv_offload_dtype,
         "cache_dir": ns.cache_dir,
         "max_body_bytes": ns.max_body_bytes,
+        "metrics_public": ns.metrics_public,
     }
     values.update({k: v for k, v in direct.items() if v is not None})
     if ns.no_kv_offload:

@@ -23,11 +23,14 @@ from contextlib import asynccontextmanager, suppress
 from types import SimpleNamespace
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 
+from server.api.auth import KeyRing
 from server.api.chat import SessionRequestMiddleware
 from server.api.metrics import SessionMetricsCollector
-from server.api.protocol import APIError, api_error_handler
+from server.api.protocol import APIError, api_error_handler, error_response
+from server.api.routes import restrict_routes, served_summary
 from server.api.sessions import router as sessions_router
 from server.config import ServerConfig
 from server.engine import build_vllm_args, start_engine
@@ -57,13 +60,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     # vLLM's engine-error handler stops the HTTP server through ``app.state.server``;
     # ``serve()`` puts the uvicorn server there, in-process use gets this stand-in.
     app.state.server = SimpleNamespace(should_exit=False)
+    restrict_routes(app)
     app.include_router(sessions_router)
     app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(404, _not_found)
+    keys = KeyRing(config.api_keys, metrics_public=config.metrics_public)
+    app.state.key_ring = keys
     # vLLM's SageMaker bootstrap builds the middleware stack early; nothing has been served
     # yet, so drop it and let Starlette rebuild it with our middleware outermost.
     app.middleware_stack = None
     app.add_middleware(
-        SessionRequestMiddleware, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys
+        SessionRequestMiddleware, max_body_bytes=config.max_body_bytes, keys=keys
     )
     vllm_lifespan = app.router.lifespan_context
 
@@ -92,6 +99,19 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """404 in the server's error shape; unknown paths name the routes that generate."""
+    detail = getattr(exc, "detail", None)
+    if isinstance(detail, str) and detail != "Not Found":  # a route's own 404 message
+        return error_response(404, detail)
+    return error_response(
+        404,
+        f"{request.method} {request.url.path} is not served here; generate with "
+        f"{served_summary()} (other vLLM routes are refused: they would bypass tenant "
+        "isolation)",
+    )
 
 
 async def _watch_engine(engine: Any, server: Any, every_s: float = 5.0) -> None:

@@ -15,6 +15,7 @@ Environment variables (all optional):
 ``LGKV_HOST``              bind address (``--host``)
 ``LGKV_PORT``              port (``--port``)
 ``LGKV_API_KEY``           bearer key; comma-separated for several (``--api-key``)
+``LGKV_METRICS_PUBLIC``    ``1``: ``/metrics`` needs no key (``--metrics-public``)
 ``LGKV_KV_CACHE_MEMORY_BYTES`` resident (paged) KV budget (``--kv-cache-memory-bytes``)
 ``LGKV_KV_RAM_BYTES``      RAM tier budget (``--kv-ram-bytes``)
 ``LGKV_KV_DISK_DIR``       block files folder (``--kv-disk-dir``)
@@ -150,8 +151,14 @@ class ServerConfig:
     """TCP port (0 is not allowed: clients must know it)."""
 
     api_keys: tuple[str, ...] = ()
-    """Bearer keys accepted on ``/v1``. Empty: no auth and one tenant ``default``. Each key is
-    its own tenant (sessions and KV blocks are never shared between keys)."""
+    """Bearer keys. Empty: no auth and one tenant ``default``. With keys, every route but
+    ``/health`` needs one (401 before the body is read); each key is its own tenant (sessions
+    and KV blocks are never shared between keys)."""
+
+    metrics_public: bool = False
+    """Serve ``/metrics`` without a key even when keys are set (for a Prometheus scraper that
+    sends none). Off: ``/metrics`` needs a key, since it shows every tenant's aggregate
+    traffic."""
 
     kv_cache_memory_bytes: int | None = None
     """Resident (paged, on-device) KV cache budget. ``None``: vLLM sizes it itself."""
@@ -255,6 +262,8 @@ def env_settings(env: Mapping[str, str]) -> dict[str, object]:
         out["port"] = _int(v, "LGKV_PORT")
     if (v := get("LGKV_API_KEY")) is not None:
         out["api_keys"] = tuple(k.strip() for k in v.split(",") if k.strip())
+    if (v := get("LGKV_METRICS_PUBLIC")) is not None:
+        out["metrics_public"] = parse_bool(v, name="LGKV_METRICS_PUBLIC")
     if (v := get("LGKV_KV_CACHE_MEMORY_BYTES")) is not None:
         out["kv_cache_memory_bytes"] = parse_size(v, name="LGKV_KV_CACHE_MEMORY_BYTES")
     if (v := get("LGKV_KV_RAM_BYTES")) is not None:

@@ -1,57 +1,63 @@
-"""Name the session and tenant of chat/completion requests for the KV connector (contracts.md 1).
+"""Authenticate, cap and sanitise every request; name the session and tenant of generations.
 
-:class:`SessionRequestMiddleware` is a pure ASGI middleware in front of vLLM's own OpenAI routes.
-It caps every request body (HTTP 413 past ``max_body_bytes``) and rewrites the JSON body of
-``/v1/chat/completions`` and ``/v1/completions`` with :func:`rewrite_body`, so vLLM's serving
-code receives ``vllm_xargs = {..., "session_id": sid, "tenant": tenant}`` (copied by vLLM into
-``SamplingParams.extra_args``, where the connector reads them).
+:class:`SessionRequestMiddleware` is a pure ASGI middleware in front of vLLM's own routes. For
+every request, in this order and before any route runs:
+
+1. with API keys configured, a path that is not public needs a valid bearer key: 401 before the
+   body is read (:class:`server.api.auth.KeyRing`);
+2. the body is capped (413 past ``max_body_bytes``), and a JSON body nesting deeper than
+   :data:`MAX_JSON_DEPTH` gets 400;
+3. the JSON body of the generation routes (:data:`server.api.routes.GENERATION_PATHS`) is
+   rewritten by :func:`rewrite_body`, so vLLM's serving code receives
+   ``vllm_xargs = {..., "session_id": sid, "tenant": tenant}`` (copied by vLLM into
+   ``SamplingParams.extra_args``, where the connector reads them) and, with keys, a
+   ``cache_salt`` that starts with the tenant's own salt.
+
+Routes that could reach the engine without this rewrite are not served at all
+(:func:`server.api.routes.restrict_routes`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.auth import KeyRing
 from server.api.protocol import APIError, check_session_id, error_response
+from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
 
-REWRITTEN_PATHS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_TENANT = "default"
 SALT_PREFIX = "lgkv-"
-
-
-def tenant_of_key(api_key: str) -> str:
-    """The tenant of a bearer key: the first 16 hex characters of its sha256."""
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
-
-
-def tenant_from_headers(headers: Headers, api_keys: Sequence[str]) -> str:
-    """``"default"`` when the server has no keys, else the tenant of the bearer key.
-
-    Key checking itself is vLLM's authentication middleware (401 before any route runs); a
-    request without a bearer token here gets an unusable tenant and is rejected there.
-    """
-    if not api_keys:
-        return DEFAULT_TENANT
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return "unauthenticated"
-    return tenant_of_key(token)
+MAX_JSON_DEPTH = 100
+"""Deepest nesting of arrays/objects accepted in a JSON body (deeper: HTTP 400)."""
+SERVER_OWNED_FIELDS = ("kv_transfer_params",)
+"""Body fields only the server sets; a request that sends one gets 400."""
+UNAUTHORIZED = (
+    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with a key the "
+    "server was started with (--api-key / LGKV_API_KEY)"
+)
 
 
 def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str, Any]:
     """Move the session named by ``prompt_cache_key``/``session_id``/``vllm_xargs.session_id``
     into ``vllm_xargs`` with the tenant, and salt the KV of keyed tenants.
 
+    The tenant always comes from the caller's key (``vllm_xargs.tenant`` in the body is
+    replaced). With ``salted`` the ``cache_salt`` is ``lgkv-<tenant>``, followed by
+    ``|<client salt>`` when the body sends one: a client may partition its own KV further,
+    never reach another tenant's.
+
     Raises:
-        APIError: 400 when the names disagree, a session id is malformed or
-            ``vllm_xargs`` is not an object.
+        APIError: 400 when the names disagree, a session id is malformed, ``vllm_xargs`` is
+            not an object, ``cache_salt`` is not a string, or the body sets a field only the
+            server sets (``kv_transfer_params``).
     """
     out = dict(body)
+    for owned in SERVER_OWNED_FIELDS:
+        if out.get(owned) is not None:
+            raise APIError(400, f"{owned} is set by the server; remove it from the request")
     xargs = out.get("vllm_xargs")
     if xargs is None:
         xargs = {}
@@ -75,8 +81,29 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
     xargs["tenant"] = tenant
     out["vllm_xargs"] = xargs
     if salted:
-        out["cache_salt"] = SALT_PREFIX + tenant
+        client_salt = out.pop("cache_salt", None)
+        if client_salt is not None and not isinstance(client_salt, str):
+            raise APIError(400, "cache_salt must be a string")
+        salt = SALT_PREFIX + tenant
+        out["cache_salt"] = f"{salt}|{client_salt}" if client_salt else salt
     return out
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class _TooLarge(Exception):
@@ -84,49 +111,74 @@ class _TooLarge(Exception):
 
 
 class SessionRequestMiddleware:
-    """Body size cap for every request plus :func:`rewrite_body` on the completion routes."""
+    """Key check, body cap, JSON depth bound and :func:`rewrite_body` (see the module doc)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, keys: KeyRing) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.api_keys = tuple(api_keys)
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        method = scope.get("method", "GET")
+        if self.keys.needs_key(path, method) and not self.keys.valid(headers):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
+                return
+            await error_response(401, UNAUTHORIZED)(scope, receive, send)
+            return
+        if scope["type"] != "http" or method in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large(scope, receive, send)
             return
         try:
             body = await self._read(receive)
+            body = self._check(body, path, headers)
         except _TooLarge:
             await self._too_large(scope, receive, send)
             return
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path in REWRITTEN_PATHS:
-            try:
-                body = self._rewrite(body, headers)
-            except APIError as err:
-                await error_response(err.status, err.message, err.type)(scope, receive, send)
-                return
+        except APIError as err:
+            await error_response(err.status, err.message, err.type)(scope, receive, send)
+            return
         scope = dict(scope)
         scope["headers"] = [
             (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
         ] + [(b"content-length", str(len(body)).encode())]
         await self.app(scope, _replay(body, receive), send)
 
-    def _rewrite(self, body: bytes, headers: Headers) -> bytes:
+    def _check(self, body: bytes, path: str, headers: Headers) -> bytes:
+        """Bound the JSON nesting of ``body``; rewrite it on the generation routes."""
+        generation = path in GENERATION_PATHS
+        is_json = "json" in headers.get("content-type", "") or path.startswith(SESSION_PREFIX)
+        if not body.strip() or not (generation or is_json):
+            return body
         try:
             data = json.loads(body)
+        except RecursionError:
+            data, too_deep = None, True
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
+            if generation:
+                raise APIError(400, "the request body is not valid JSON") from None
+            return body  # the route answers with its own message
+        else:
+            too_deep = json_depth(data) > MAX_JSON_DEPTH
+        if too_deep:
+            raise APIError(
+                400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels; flatten it"
+            )
+        if not generation:
+            return body
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
-        tenant = tenant_from_headers(headers, self.api_keys)
-        return json.dumps(rewrite_body(data, tenant, salted=bool(self.api_keys))).encode()
+        out = rewrite_body(data, self.keys.tenant(headers), salted=self.keys.enabled)
+        return json.dumps(out).encode()
 
     async def _read(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
-from server.api.chat import tenant_from_headers
 from server.api.protocol import (
     APIError,
     PrefetchOut,
@@ -54,7 +53,7 @@ def _control(request: Request) -> SessionControl:
 
 
 def _tenant(request: Request) -> str:
-    return tenant_from_headers(request.headers, request.app.state.lgkv_config.api_keys)
+    return cast(str, request.app.state.key_ring.tenant(request.headers))
 
 
 async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

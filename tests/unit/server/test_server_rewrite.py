@@ -1,4 +1,4 @@
-"""The session/tenant rewrite of chat and completion bodies (contracts.md 1) and the body cap."""
+"""The session/tenant rewrite of generation bodies, the key check, the body cap and depth bound."""
 
 from __future__ import annotations
 
@@ -12,12 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from server.api.chat import (
-    SessionRequestMiddleware,
-    rewrite_body,
-    tenant_from_headers,
-    tenant_of_key,
-)
+from server.api.auth import KeyRing, tenant_of_key
+from server.api.chat import MAX_JSON_DEPTH, SessionRequestMiddleware, json_depth, rewrite_body
 from server.api.protocol import APIError
 
 
@@ -47,7 +43,28 @@ def test_client_cannot_pick_its_tenant_or_salt() -> None:
     body = {"vllm_xargs": {"tenant": "someone-else"}, "cache_salt": "lgkv-someone-else"}
     out = rewrite_body(body, "abcd", salted=True)
     assert out["vllm_xargs"]["tenant"] == "abcd"
-    assert out["cache_salt"] == "lgkv-abcd"
+    # The client's salt only narrows its own tenant's KV further.
+    assert out["cache_salt"] == "lgkv-abcd|lgkv-someone-else"
+    assert rewrite_body({}, "abcd", salted=True)["cache_salt"] == "lgkv-abcd"
+
+
+@pytest.mark.parametrize(
+    "victim_salt", ["lgkv-abcd", "lgkv-abcd|x", "abcd", "", "|", "lgkv-abcd|"]
+)
+def test_no_client_salt_yields_another_tenants_salt(victim_salt: str) -> None:
+    victims = {rewrite_body({}, "abcd", salted=True)["cache_salt"]}
+    victims.add(rewrite_body({"cache_salt": "x"}, "abcd", salted=True)["cache_salt"])
+    out = rewrite_body({"cache_salt": victim_salt}, "ef01", salted=True)
+    assert out["cache_salt"].startswith("lgkv-ef01")
+    assert out["cache_salt"] not in victims
+
+
+def test_server_owned_fields_are_400() -> None:
+    with pytest.raises(APIError, match="kv_transfer_params is set by the server") as info:
+        rewrite_body({"kv_transfer_params": {"do_remote_prefill": True}}, "t", salted=False)
+    assert info.value.status == 400
+    with pytest.raises(APIError, match="cache_salt must be a string"):
+        rewrite_body({"cache_salt": 5}, "t", salted=True)
 
 
 @pytest.mark.parametrize(
@@ -68,12 +85,35 @@ def test_bad_names_are_400(body: dict, match: str) -> None:
     assert info.value.status == 400
 
 
-def test_tenant_from_headers() -> None:
-    assert tenant_from_headers(Headers({"authorization": "Bearer k"}), ()) == "default"
-    keyed = tenant_from_headers(Headers({"authorization": "Bearer k1"}), ("k1", "k2"))
+def test_key_ring_tenants() -> None:
+    assert KeyRing(()).tenant(Headers({"authorization": "Bearer k"})) == "default"
+    ring = KeyRing(("k1", "k2"))
+    keyed = ring.tenant(Headers({"authorization": "Bearer k1"}))
     assert keyed == tenant_of_key("k1") and len(keyed) == 16
     assert keyed != tenant_of_key("k2")
-    assert tenant_from_headers(Headers({}), ("k1",)) == "unauthenticated"
+    assert ring.tenant(Headers({})) == "unauthenticated"
+    assert ring.valid(Headers({"authorization": "bearer k2"}))
+    assert not ring.valid(Headers({"authorization": "Bearer k3"}))
+    assert not ring.valid(Headers({"authorization": "Basic k1"}))
+
+
+def test_key_ring_public_paths() -> None:
+    ring = KeyRing(("k",))
+    assert not ring.needs_key("/health", "GET")
+    assert not ring.needs_key("/v1/models", "OPTIONS")  # CORS preflight
+    for path in ("/metrics", "/invocations", "/tokenize", "/v1/models", "/openapi.json", "/"):
+        assert ring.needs_key(path, "POST") and ring.needs_key(path, "GET")
+    assert not KeyRing(("k",), metrics_public=True).needs_key("/metrics", "GET")
+    assert not KeyRing(()).needs_key("/invocations", "POST")
+
+
+def test_json_depth() -> None:
+    assert json_depth(1) == 0
+    assert json_depth({"a": [1, {"b": []}]}) == 4
+    deep: list = []
+    for _ in range(10_000):
+        deep = [deep]
+    assert json_depth(deep) == 10_001
 
 
 async def _echo(request: Request) -> JSONResponse:
@@ -87,7 +127,7 @@ def _client(max_body: int = 4096, keys: tuple[str, ...] = ()) -> httpx.AsyncClie
             Route("/v1/sessions", _echo, methods=["POST"]),
         ]
     )
-    app.add_middleware(SessionRequestMiddleware, max_body_bytes=max_body, api_keys=keys)
+    app.add_middleware(SessionRequestMiddleware, max_body_bytes=max_body, keys=KeyRing(keys))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
 
@@ -100,8 +140,38 @@ async def test_middleware_rewrites_completion_routes_only() -> None:
             "vllm_xargs": {"session_id": "s1", "tenant": tenant},
             "cache_salt": "lgkv-" + tenant,
         }
-        other = await c.post("/v1/sessions", json={"session_id": "s1"})
+        other = await c.post("/v1/sessions", json={"session_id": "s1"}, headers=headers)
         assert other.json()["body"] == {"session_id": "s1"}
+
+
+async def test_middleware_answers_401_before_reading_the_body() -> None:
+    async with _client(keys=("secret",)) as c:
+        for body in (b"{not json", b"[" * 10_000, b'{"session_id": "s1"}'):
+            for path in ("/v1/chat/completions", "/v1/sessions", "/anything"):
+                r = await c.post(path, content=body)
+                assert r.status_code == 401, (path, r.text)
+                assert "Authorization: Bearer" in r.json()["error"]["message"]
+        wrong = await c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions"])
+@pytest.mark.parametrize("opener", [b"[", b'{"a":'])
+async def test_deeply_nested_bodies_are_400(path: str, opener: bytes) -> None:
+    n = MAX_JSON_DEPTH + 1
+    closer = b"]" if opener == b"[" else b"}"
+    body = opener * n + b"1" + closer * n
+    async with _client(max_body=1 << 20) as c:
+        r = await c.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "nests deeper" in r.json()["error"]["message"]
+        bomb = await c.post(path, content=b"[" * 200_000 + b"]" * 200_000,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert bomb.status_code == 400
+        ok_depth = opener * (MAX_JSON_DEPTH - 2) + b"1" + closer * (MAX_JSON_DEPTH - 2)
+        fine = await c.post(path, content=b'{"x":' + ok_depth + b"}",
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert fine.status_code == 200, fine.text
 
 
 async def test_middleware_errors() -> None:
