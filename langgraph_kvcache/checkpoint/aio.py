@@ -78,6 +78,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         kv_api_key: The server's bearer key, when it runs with ``--api-key``.
         ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and
             :meth:`asweep_expired` here). Needs ``kv_server``.
+        snapshot_every: As for :class:`~.sync.SQLAlchemySaver`: a full snapshot of an
+            append-only list channel every ``snapshot_every`` versions (default 100).
     """
 
     def __init__(
@@ -88,8 +90,10 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         kv_server: str | KVSessionOptions | None = None,
         kv_api_key: str | None = None,
         ttl_seconds: float | None = None,
+        snapshot_every: int | None = None,
     ) -> None:
         super().__init__(serde=serde)
+        self._init_lists(snapshot_every)
         options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if not hasattr(engine, "sync_engine"):
             raise TypeError("AsyncSQLAlchemySaver needs an AsyncEngine; use SQLAlchemySaver")
@@ -122,13 +126,14 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         kv_server: str | KVSessionOptions | None = None,
         kv_api_key: str | None = None,
         ttl_seconds: float | None = None,
+        snapshot_every: int | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[AsyncSQLAlchemySaver]:
         """Create a saver on a new async engine for ``url``, disposed of on exit.
 
         Plain ``sqlite:///...`` / ``postgresql://...`` URLs get the ``aiosqlite`` / ``psycopg``
-        drivers. ``kv_server``, ``kv_api_key`` and ``ttl_seconds`` are the constructor's; other
-        ``kwargs`` go to ``create_async_engine``.
+        drivers. ``kv_server``, ``kv_api_key``, ``ttl_seconds`` and ``snapshot_every`` are the
+        constructor's; other ``kwargs`` go to ``create_async_engine``.
         """
         parsed = normalize_url(url, asynchronous=True)
         engine = create_async_engine(parsed, **{**engine_kwargs(parsed), **kwargs})
@@ -140,6 +145,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
                 kv_server=kv_server,
                 kv_api_key=kv_api_key,
                 ttl_seconds=ttl_seconds,
+                snapshot_every=snapshot_every,
             )
             yield saver
         finally:
@@ -197,8 +203,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
-        op = self._op_put(config, checkpoint, metadata, new_versions)
-        return await self._run(op, self._put_mode)
+        rows, mode = self._put_rows(config, checkpoint, metadata, new_versions)
+        return await self._run(self._op_put(rows), mode)
 
     async def aput_writes(
         self,

@@ -13,7 +13,7 @@ whole the savers call a hook of :class:`~langgraph_kvcache.checkpoint.hooks.Life
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -38,15 +38,21 @@ from sqlalchemy import (
     literal,
     select,
     text,
-    tuple_,
     update,
 )
 
-from langgraph_kvcache.checkpoint import codec, queries
+from langgraph_kvcache.checkpoint import codec, gc, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
-from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, migrations_table, writes
+from langgraph_kvcache.checkpoint.schema import (
+    blobs,
+    checkpoints,
+    items,
+    migrations_table,
+    writes,
+)
 from langgraph_kvcache.errors import CheckpointerSetupError, ThreadNotEmptyError
 
 T = TypeVar("T")
@@ -56,9 +62,6 @@ PRUNE_STRATEGIES = ("keep_latest", "delete")
 
 SETUP_LOCK_KEY = 0x6C676B76
 """PostgreSQL advisory lock key that serialises concurrent ``setup()`` calls."""
-
-_CHUNK = 500
-"""Most keys per ``IN`` list, well under SQLite's bound-parameter limit."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Stmt:
     plain: bool = False
     """A prebuilt statement whose parameters are str, int, bytes or JSON-typed and whose results
     are str, int or bytes: a driver may run its compiled SQL on the DBAPI connection directly
-    (see :func:`langgraph_kvcache.checkpoint.sync.run_plain`)."""
+    (see :func:`langgraph_kvcache.checkpoint.plain.run_plain`)."""
 
 
 Op = Generator[Stmt, list[Any], T]
@@ -93,23 +96,21 @@ def execution_options(dialect: str, mode: Mode) -> dict[str, Any]:
     return {BEGIN_OPTION: "immediate" if mode == "write" else "none"}
 
 
-def _chunks(items: Sequence[Any], size: int = _CHUNK) -> Iterable[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
     """Operations shared by :class:`SQLAlchemySaver` and :class:`AsyncSQLAlchemySaver`.
 
-    Subclasses set ``dialect`` (``"sqlite"`` or ``"postgresql"``) and run the operations.
+    Subclasses set ``dialect`` (``"sqlite"`` or ``"postgresql"``), call :meth:`_init_lists`
+    and run the operations.
     """
 
     dialect: str
+    lists: ListState
+    """Append-aware list storage state (:mod:`.lists`)."""
 
-    @property
-    def _put_mode(self) -> Mode:
-        """``put`` is one statement on PostgreSQL (blobs in a CTE), two on SQLite."""
-        return "single" if self.dialect == "postgresql" else "write"
+    def _init_lists(self, snapshot_every: int | None) -> None:
+        """Set up :attr:`lists`; ``snapshot_every`` as documented on the savers."""
+        every = DEFAULT_SNAPSHOT_EVERY if snapshot_every is None else snapshot_every
+        self.lists = ListState(self.serde, every)
 
     def _writes_mode(self, n_writes: int) -> Mode:
         """``put_writes`` is one statement on PostgreSQL, one per row on SQLite."""
@@ -154,8 +155,23 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         else:
             stmt = queries.get_latest(self.dialect)
         rows = yield Stmt(stmt, params, fetch=True, plain=True)
-        found = codec.load_tuples(self.serde, rows)
+        found = yield from self._op_load(rows)
         return found[0] if found else None
+
+    def _op_load(self, rows: list[Any]) -> Op[list[CheckpointTuple]]:
+        """Decode ``queries.checkpoint_rows`` rows, fetching the list items not remembered."""
+        loaded = codec.LoadedRows(rows)
+        fetched: dict[bytes, tuple[str, bytes]] = {}
+        for (thread_id, ns), digests in loaded.item_digests().items():
+            missing = self.lists.missing(digests)
+            for stmt, params in queries.item_batches(missing):
+                scope = {"thread_id": thread_id, "checkpoint_ns": ns}
+                got = yield Stmt(stmt, {**scope, **params}, fetch=True, plain=True)
+                for r in got:
+                    typed = (r["type"], bytes(r["blob"]))
+                    fetched[bytes(r["item"])] = typed
+                    self.lists.items.put(bytes(r["item"]), typed)
+        return loaded.tuples(self.serde, self.lists, fetched)
 
     def _op_delta_history(
         self, config: RunnableConfig, channels: Sequence[str]
@@ -212,32 +228,57 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
             where.append(c.checkpoint_id < before_id)
         stmt = queries.checkpoint_rows(self.dialect, where, None if limit is None else int(limit))
         rows = yield Stmt(stmt, fetch=True)
-        return codec.load_tuples(self.serde, rows)
+        return (yield from self._op_load(rows))
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _op_put(
+    def _put_rows(
         self,
         config: RunnableConfig,
         checkpoint: Checkpoint,
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
-    ) -> Op[RunnableConfig]:
+    ) -> tuple[codec.PutRows, Mode]:
+        """The rows of a ``put`` and how to run them: one statement on PostgreSQL unless it
+        carries more than ``queries.PUT_INLINE_ITEMS`` new list items."""
         md = get_serializable_checkpoint_metadata(config, metadata)
-        row, blob_rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions)
+        rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions, self.lists)
         if self.dialect == "postgresql":
-            # One statement: blobs in a data-modifying CTE, then the checkpoint upsert.
-            params = {**row, **(queries.row_params(self.dialect, blob_rows) if blob_rows else {})}
-            yield Stmt(queries.put_checkpoint(self.dialect, len(blob_rows)), params, plain=True)
+            mode: Mode = "single" if len(rows.item_rows) <= queries.PUT_INLINE_ITEMS else "write"
         else:
+            mode = "write"
+        return rows, mode
+
+    def _op_put(self, rows: codec.PutRows) -> Op[RunnableConfig]:
+        """Write the rows of :meth:`_put_rows`."""
+        row, blob_rows, item_rows = rows.row, rows.blob_rows, rows.item_rows
+        if self.dialect == "postgresql":
+            # One statement: items and blobs in data-modifying CTEs, then the checkpoint upsert.
+            inline = item_rows if len(item_rows) <= queries.PUT_INLINE_ITEMS else []
+            if item_rows and not inline:
+                yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
+            params = {
+                **row,
+                **(queries.row_params(self.dialect, blob_rows) if blob_rows else {}),
+                **queries.item_params(inline),
+            }
+            stmt = queries.put_checkpoint(self.dialect, len(blob_rows), len(inline))
+            yield Stmt(stmt, params, plain=True)
+        else:
+            if item_rows:
+                yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
             if blob_rows:
                 yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows, plain=True)
             yield Stmt(queries.put_checkpoint(self.dialect, 0), row, plain=True)
+        if rows.lists:
+            self.lists.remember(
+                row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"], rows.lists
+            )
         return {
             "configurable": {
                 "thread_id": row["thread_id"],
                 "checkpoint_ns": row["checkpoint_ns"],
-                "checkpoint_id": checkpoint["id"],
+                "checkpoint_id": row["checkpoint_id"],
             }
         }
 
@@ -256,8 +297,9 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         yield Stmt(stmt, queries.row_params(self.dialect, rows), plain=True)
 
     def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:
-        for table in (checkpoints, blobs, writes):
-            for chunk in _chunks(list(thread_ids)):
+        self.lists.forget_threads(thread_ids)
+        for table in (checkpoints, blobs, items, writes):
+            for chunk in gc.chunks(list(thread_ids)):
                 yield Stmt(delete(table).where(table.c.thread_id.in_(chunk)))
 
     def _op_copy_thread(self, source: str, target: str) -> Op[None]:
@@ -270,7 +312,8 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
                 f"copy_thread: target thread {target!r} already has checkpoints; delete it first "
                 "or copy to a new thread id."
             )
-        for table in (checkpoints, blobs, writes):
+        self.lists.forget_threads([target])
+        for table in (checkpoints, blobs, items, writes):
             names = [col.name for col in table.c if col.name != "thread_id"]
             source_rows = select(
                 literal(target).label("thread_id"), *[table.c[n] for n in names]
@@ -317,7 +360,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         """Delete the checkpoints (and their writes) made by ``run_ids``; returns their threads."""
         c = checkpoints.c
         found: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for chunk in _chunks([str(r) for r in run_ids]):
+        for chunk in gc.chunks([str(r) for r in run_ids]):
             rows = yield Stmt(
                 select(c.thread_id, c.checkpoint_ns, c.checkpoint_id).where(c.run_id.in_(chunk)),
                 fetch=True,
@@ -329,11 +372,13 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         return sorted({thread_id for thread_id, _ in found})
 
     def _op_delete_checkpoints(self, thread_id: str, ns: str, ids: list[str]) -> Op[None]:
-        """Delete checkpoints of one namespace with their writes, then blobs nothing uses."""
+        """Delete checkpoints of one namespace with their writes, then the blobs and list items
+        nothing left reads (a kept checkpoint keeps the versions its lists extend)."""
         if not ids:
             return
-        c, w, b = checkpoints.c, writes.c, blobs.c
-        for chunk in _chunks(ids):
+        self.lists.forget_threads([thread_id])
+        c, w = checkpoints.c, writes.c
+        for chunk in gc.chunks(ids):
             yield Stmt(
                 delete(checkpoints).where(
                     c.thread_id == thread_id, c.checkpoint_ns == ns, c.checkpoint_id.in_(chunk)
@@ -350,24 +395,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
                 .where(c.parent_checkpoint_id.in_(chunk))
                 .values(parent_checkpoint_id=None)
             )
-        kept = yield Stmt(
-            select(c.blob_versions).where(c.thread_id == thread_id, c.checkpoint_ns == ns),
-            fetch=True,
-        )
-        used = {(ch, str(v)) for r in kept for ch, v in r["blob_versions"].items()}
-        stored = yield Stmt(
-            select(b.channel, b.version).where(b.thread_id == thread_id, b.checkpoint_ns == ns),
-            fetch=True,
-        )
-        garbage = sorted({(r["channel"], r["version"]) for r in stored} - used)
-        for chunk in _chunks(garbage):
-            yield Stmt(
-                delete(blobs).where(
-                    b.thread_id == thread_id,
-                    b.checkpoint_ns == ns,
-                    tuple_(b.channel, b.version).in_(chunk),
-                )
-            )
+        yield from gc.op_collect(thread_id, ns)
 
 
 def check_prune_args(thread_ids: Sequence[str], strategy: str) -> list[str]:

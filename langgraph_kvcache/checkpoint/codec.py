@@ -23,10 +23,14 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
 
+from langgraph_kvcache.checkpoint.lists import ITEMS_TYPE, ListState, ListVersion, is_item_list
 from langgraph_kvcache.checkpoint.queries import KIND_BLOB, KIND_CHECKPOINT
 
 BlobKey = tuple[str, str, str, str]
 """(thread_id, checkpoint_ns, channel, version) of a stored channel value."""
+
+StoredBlob = tuple[str, bytes | None, str | None]
+"""(serde type, bytes, base version) of a stored channel value (see :mod:`.lists`)."""
 
 WriteKey = tuple[str, str, str]
 """(thread_id, checkpoint_ns, checkpoint_id) a pending write belongs to."""
@@ -62,14 +66,30 @@ def split_values(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]
     return inline, blob_values
 
 
+class PutRows:
+    """What one ``put`` writes: the checkpoint row, new blob rows, new list items, and the
+    list versions to remember for the new checkpoint once written."""
+
+    def __init__(
+        self,
+        row: dict[str, Any],
+        blob_rows: list[dict[str, Any]],
+        item_rows: list[dict[str, Any]],
+        lists: dict[str, ListVersion],
+    ) -> None:
+        self.row, self.blob_rows, self.item_rows, self.lists = row, blob_rows, item_rows, lists
+
+
 def checkpoint_row(
     serde: SerializerProtocol,
     config: RunnableConfig,
     checkpoint: Checkpoint,
     metadata: CheckpointMetadata,
     new_versions: ChannelVersions,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The ``checkpoints`` row and the new ``checkpoint_blobs`` rows for one ``put``."""
+    lists: ListState,
+) -> PutRows:
+    """The rows for one ``put``. New versions of list channels are planned by ``lists``
+    (a delta against the parent checkpoint's version when the list was appended to)."""
     configurable = config["configurable"]
     thread_id = str(configurable["thread_id"])
     ns = configurable.get("checkpoint_ns", "")
@@ -96,21 +116,38 @@ def checkpoint_row(
         "metadata": metadata,
         "blob_versions": blob_versions,
     }
-    blob_rows = []
+    parent_lists = lists.recall(thread_id, ns, configurable.get("checkpoint_id"))
+    known: dict[str, ListVersion] = {}
+    blob_rows: list[dict[str, Any]] = []
+    item_rows: list[dict[str, Any]] = []
     for channel, version in new_versions.items():
-        if channel in blob_values:
-            b_type, b_data = serde.dumps_typed(blob_values[channel])
-            blob_rows.append(
-                {
-                    "thread_id": thread_id,
-                    "checkpoint_ns": ns,
-                    "channel": channel,
-                    "version": str(version),
-                    "type": b_type,
-                    "blob": b_data,
-                }
+        if channel not in blob_values:
+            continue
+        value = blob_values[channel]
+        if is_item_list(value):
+            planned = lists.plan(
+                thread_id, ns, channel, str(version), value, parent_lists.get(channel)
             )
-    return row, blob_rows
+            blob_rows.append(planned.blob_row)
+            item_rows.extend(planned.item_rows)
+            known[channel] = planned.state
+            continue
+        b_type, b_data = serde.dumps_typed(value)
+        blob_rows.append(
+            {
+                "thread_id": thread_id,
+                "checkpoint_ns": ns,
+                "channel": channel,
+                "version": str(version),
+                "type": b_type,
+                "blob": b_data,
+                "base_version": None,
+            }
+        )
+    for channel, state in parent_lists.items():
+        if channel not in known and str(blob_versions.get(channel)) == state.version:
+            known[channel] = state
+    return PutRows(row, blob_rows, item_rows, known)
 
 
 def write_rows(
@@ -141,44 +178,84 @@ def write_rows(
     return rows
 
 
+class LoadedRows:
+    """The rows of ``queries.checkpoint_rows``, sorted by kind, before decoding.
+
+    :meth:`item_digests` names the list items the checkpoints need; the caller fetches those a
+    :class:`ListState` lacks and passes them to :meth:`tuples`.
+    """
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.heads: list[Mapping[str, Any]] = []
+        self.blobs: dict[BlobKey, StoredBlob] = {}
+        self.pending: dict[WriteKey, list[Mapping[str, Any]]] = {}
+        self.scopes: set[tuple[str, str]] = set()
+        for row in rows:
+            kind = row["kind"]
+            if kind == KIND_CHECKPOINT:
+                self.heads.append(row)
+            elif kind == KIND_BLOB:
+                key = (row["thread_id"], row["checkpoint_ns"], row["a"], row["b"])
+                self.blobs[key] = (row["type"], row["data"], row["checkpoint_id"])
+            else:
+                key = (row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"])
+                self.pending.setdefault(key, []).append(row)
+        self.heads.sort(key=lambda r: r["checkpoint_id"], reverse=True)
+
+    def item_digests(self) -> dict[tuple[str, str], set[bytes]]:
+        """Digests of the list items of the rows, per (thread, namespace)."""
+        out: dict[tuple[str, str], set[bytes]] = {}
+        for (thread_id, ns, _, _), (type_, data, _) in self.blobs.items():
+            if type_ == ITEMS_TYPE and data:
+                found = out.setdefault((thread_id, ns), set())
+                found.update(data[i : i + 16] for i in range(0, len(data), 16))
+        return out
+
+    def tuples(
+        self,
+        serde: SerializerProtocol,
+        lists: ListState,
+        items: Mapping[bytes, tuple[str, bytes]],
+    ) -> list[CheckpointTuple]:
+        """Checkpoint tuples, newest first; ``items`` holds list items fetched for them."""
+        return [
+            make_tuple(serde, head, self.blobs, self.pending, lists, items) for head in self.heads
+        ]
+
+
 def load_tuples(
-    serde: SerializerProtocol, rows: Sequence[Mapping[str, Any]]
+    serde: SerializerProtocol, rows: Sequence[Mapping[str, Any]], lists: ListState
 ) -> list[CheckpointTuple]:
-    """Build checkpoint tuples, newest first, from the rows of ``queries.checkpoint_rows``."""
-    heads: list[Mapping[str, Any]] = []
-    found: dict[BlobKey, tuple[str, bytes | None]] = {}
-    pending: dict[WriteKey, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        kind = row["kind"]
-        if kind == KIND_CHECKPOINT:
-            heads.append(row)
-        elif kind == KIND_BLOB:
-            found[(row["thread_id"], row["checkpoint_ns"], row["a"], row["b"])] = (
-                row["type"],
-                row["data"],
-            )
-        else:
-            key = (row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"])
-            pending.setdefault(key, []).append(row)
-    heads.sort(key=lambda r: r["checkpoint_id"], reverse=True)
-    return [make_tuple(serde, head, found, pending) for head in heads]
+    """Checkpoint tuples from rows whose list items ``lists`` already remembers."""
+    return LoadedRows(rows).tuples(serde, lists, {})
 
 
 def make_tuple(
     serde: SerializerProtocol,
     head: Mapping[str, Any],
-    blobs: Mapping[BlobKey, tuple[str, bytes | None]],
+    blobs: Mapping[BlobKey, StoredBlob],
     pending: Mapping[WriteKey, list[Mapping[str, Any]]],
+    lists: ListState,
+    items: Mapping[bytes, tuple[str, bytes]],
 ) -> CheckpointTuple:
-    """One ``CheckpointTuple`` from its checkpoint row, the blobs and the pending writes."""
+    """One ``CheckpointTuple`` from its checkpoint row, the blobs, items and pending writes."""
     thread_id, ns, checkpoint_id = head["thread_id"], head["checkpoint_ns"], head["checkpoint_id"]
     body: Checkpoint = serde.loads_typed((head["type"], head["data"]))
     values = dict(body["channel_values"])
     blob_versions = json.loads(head["c"])
+    known: dict[str, ListVersion] = {}
     for channel, version in blob_versions.items():
         stored = blobs.get((thread_id, ns, channel, str(version)))
-        if stored is not None and stored[0] != "empty":
-            values[channel] = serde.loads_typed(stored)
+        if stored is None or stored[0] == "empty":
+            continue
+        if stored[0] == ITEMS_TYPE:
+            state = lists.chain_digests(thread_id, ns, channel, str(version), blobs)
+            values[channel] = lists.decode(state.digests, items)
+            known[channel] = state
+        else:
+            values[channel] = serde.loads_typed((stored[0], stored[1]))
+    if known:
+        lists.remember(thread_id, ns, checkpoint_id, known)
     writes = sorted(
         pending.get((thread_id, ns, checkpoint_id), ()),
         key=lambda w: writes_sort_key(w["c"], w["b"], w["idx"]),

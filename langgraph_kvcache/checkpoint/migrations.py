@@ -98,6 +98,21 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
         ),
     ),
+    Migration(
+        "append-aware list storage: items stored once, list versions as digests (delta chains)",
+        (
+            """CREATE TABLE IF NOT EXISTS checkpoint_items (
+                thread_id TEXT NOT NULL,
+                checkpoint_ns TEXT NOT NULL DEFAULT '',
+                item {bytes} NOT NULL,
+                type TEXT NOT NULL,
+                blob {bytes} NOT NULL,
+                PRIMARY KEY (thread_id, checkpoint_ns, item)
+            )""",
+            # Nullable: rows written before this migration keep NULL and read as they did.
+            "ALTER TABLE checkpoint_blobs ADD COLUMN base_version TEXT",
+        ),
+    ),
 )
 
 

@@ -8,7 +8,9 @@ returns one ``UNION ALL`` of three row kinds, told apart by ``kind``:
 - ``0``: a checkpoint (``a`` = parent id, ``data`` = serialized body, ``b`` = metadata text,
   ``c`` = ``blob_versions`` text);
 - ``1``: a blob one of them references through its ``blob_versions`` (``a`` = channel,
-  ``b`` = version); each blob comes once even when many checkpoints share it;
+  ``b`` = version), and for list versions stored as deltas (:mod:`.lists`) every version down
+  their chain to its snapshot (``checkpoint_id`` = the version it extends); each blob comes
+  once even when many checkpoints share it;
 - ``2``: a pending write of one of them (``a`` = channel, ``b`` = task id, ``c`` = task path).
 
 SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_each_text``. The
@@ -44,7 +46,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, writes
+from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items, writes
 
 KIND_CHECKPOINT, KIND_BLOB, KIND_WRITE = 0, 1, 2
 
@@ -85,7 +87,8 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         .distinct()
         .subquery("r")
     )
-    b, w = blobs.c, writes.c
+    w = writes.c
+    chain = _blob_chain(refs)
     text_null = cast(null(), Text)
     checkpoint_part = select(
         literal_column(str(KIND_CHECKPOINT), Integer).label("kind"),
@@ -101,22 +104,15 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
     )
     blob_part = select(
         literal_column(str(KIND_BLOB), Integer),
-        b.thread_id,
-        b.checkpoint_ns,
+        chain.c.thread_id,
+        chain.c.checkpoint_ns,
+        chain.c.base_version,
+        chain.c.channel,
+        chain.c.version,
         text_null,
-        b.channel,
-        b.version,
-        text_null,
-        b.type,
-        b.blob,
+        chain.c.type,
+        chain.c.blob,
         cast(null(), Integer),
-    ).join_from(
-        refs,
-        blobs,
-        (b.thread_id == refs.c.thread_id)
-        & (b.checkpoint_ns == refs.c.checkpoint_ns)
-        & (b.channel == refs.c.channel)
-        & (b.version == refs.c.version),
     )
     write_part = select(
         literal_column(str(KIND_WRITE), Integer),
@@ -137,6 +133,32 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         & (w.checkpoint_id == c.c.checkpoint_id),
     )
     return union_all(checkpoint_part, blob_part, write_part)  # type: ignore[return-value]
+
+
+def _blob_chain(refs: Any) -> Any:
+    """A recursive CTE: the blobs ``refs`` (thread, namespace, channel, version) name, and the
+    versions each one extends (``base_version``), down to a snapshot. ``UNION`` (not ``ALL``)
+    so a link shared by many requested versions comes once."""
+    b = blobs.c
+    columns = (b.thread_id, b.checkpoint_ns, b.channel, b.version, b.type, b.blob, b.base_version)
+    start = select(*columns).join_from(
+        refs,
+        blobs,
+        (b.thread_id == refs.c.thread_id)
+        & (b.checkpoint_ns == refs.c.checkpoint_ns)
+        & (b.channel == refs.c.channel)
+        & (b.version == refs.c.version),
+    )
+    chain = start.cte("chain", recursive=True)
+    step = select(*columns).join_from(
+        chain,
+        blobs,
+        (b.thread_id == chain.c.thread_id)
+        & (b.checkpoint_ns == chain.c.checkpoint_ns)
+        & (b.channel == chain.c.channel)
+        & (b.version == chain.c.base_version),
+    )
+    return chain.union(step)
 
 
 @cache
@@ -161,7 +183,16 @@ def get_by_id(dialect: str) -> Select[Any]:
 
 # -- write statements ------------------------------------------------------------------------
 
-_BLOB_COLUMNS = ("thread_id", "checkpoint_ns", "channel", "version", "type", "blob")
+_BLOB_COLUMNS = (
+    "thread_id",
+    "checkpoint_ns",
+    "channel",
+    "version",
+    "type",
+    "blob",
+    "base_version",
+)
+_ITEM_COLUMNS = ("thread_id", "checkpoint_ns", "item", "type", "blob")
 _WRITE_COLUMNS = (
     "thread_id",
     "checkpoint_ns",
@@ -243,19 +274,66 @@ def _upsert_write(stmt: Any) -> Any:
     )
 
 
-@cache
-def put_checkpoint(dialect: str, n_blobs: int) -> Any:
-    """Upsert ``:<column>`` into checkpoints; on PostgreSQL also insert ``n_blobs`` new blobs.
+PUT_INLINE_ITEMS = 8
+"""Most new list items a PostgreSQL ``put`` carries in its own statement; more go first in an
+``executemany`` of :func:`insert_items` (in the same transaction)."""
 
-    On PostgreSQL the blobs are data-modifying CTEs (``r<i>_<column>``), so a ``put`` is one
-    atomic statement: one round trip in autocommit mode. On SQLite the blobs are a separate
-    statement (:func:`insert_blobs`) and ``n_blobs`` must be 0.
+
+@cache
+def put_checkpoint(dialect: str, n_blobs: int, n_items: int = 0) -> Any:
+    """Upsert ``:<column>`` into checkpoints; on PostgreSQL also insert ``n_blobs`` new blobs
+    (parameters ``r<i>_<column>``) and ``n_items`` new list items (``i<i>_<column>``).
+
+    On PostgreSQL the blobs and items are data-modifying CTEs, so a ``put`` is one atomic
+    statement: one round trip in autocommit mode. On SQLite they are separate statements
+    (:func:`insert_blobs`, :func:`insert_items`) and ``n_blobs`` and ``n_items`` must be 0.
     """
     stmt = _one_row(dialect, checkpoints, _CHECKPOINT_COLUMNS, "", _upsert_checkpoint)
+    for i in range(n_items):
+        item = _one_row(dialect, items, _ITEM_COLUMNS, f"i{i}_", _keep)
+        stmt = stmt.add_cte(item.cte(f"new_item_{i}"))
     for i in range(n_blobs):
         blob = _one_row(dialect, blobs, _BLOB_COLUMNS, f"r{i}_", _keep)
         stmt = stmt.add_cte(blob.cte(f"new_blob_{i}"))
     return stmt
+
+
+def item_params(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameters ``i<i>_<column>`` of the items of a PostgreSQL :func:`put_checkpoint`."""
+    return {f"i{i}_{col}": value for i, row in enumerate(rows) for col, value in row.items()}
+
+
+@cache
+def insert_items(dialect: str) -> Any:
+    """Insert one list item (run with executemany), keeping an item already stored."""
+    return _one_row(dialect, items, _ITEM_COLUMNS, "", _keep)
+
+
+ITEM_BATCHES = (1, 4, 16, 64, 256)
+"""Sizes of the prebuilt :func:`select_items` statements (a request is padded up to one)."""
+
+
+@cache
+def select_items(n: int) -> Any:
+    """Items ``:item0`` ... ``:item<n-1>`` of (``:thread_id``, ``:checkpoint_ns``)."""
+    i = items.c
+    return select(i.item, i.type, i.blob).where(
+        i.thread_id == bindparam("thread_id"),
+        i.checkpoint_ns == bindparam("checkpoint_ns"),
+        i.item.in_([bindparam(f"item{k}") for k in range(n)]),
+    )
+
+
+def item_batches(digests: list[bytes]) -> list[tuple[Any, dict[str, Any]]]:
+    """(statement, digest parameters) pairs that fetch ``digests``, padded to prebuilt sizes."""
+    out = []
+    largest = ITEM_BATCHES[-1]
+    for start in range(0, len(digests), largest):
+        chunk = digests[start : start + largest]
+        size = next(n for n in ITEM_BATCHES if n >= len(chunk))
+        padded = chunk + [chunk[0]] * (size - len(chunk))
+        out.append((select_items(size), {f"item{k}": d for k, d in enumerate(padded)}))
+    return out
 
 
 @cache

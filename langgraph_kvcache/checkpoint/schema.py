@@ -2,7 +2,8 @@
 
 The layout follows LangGraph's ``checkpoint-postgres``: one row per checkpoint, one row per
 *version* of a channel value (so an unchanged channel is stored once, not once per checkpoint),
-and one row per pending write. The same classes serve SQLite and PostgreSQL; JSON columns become
+and one row per pending write; list channels store their items once each in their own table
+(:mod:`.lists`). The same classes serve SQLite and PostgreSQL; JSON columns become
 ``JSONB`` on PostgreSQL so metadata filters use its containment operator.
 
 The tables are created by the migrations in :mod:`langgraph_kvcache.checkpoint.migrations`,
@@ -68,7 +69,12 @@ class CheckpointRow(Base):
 
 
 class BlobRow(Base):
-    """One version of one channel's value, shared by every checkpoint that has that version."""
+    """One version of one channel's value, shared by every checkpoint that has that version.
+
+    A list version stored by items (``type`` ``lgkv.items``, see :mod:`.lists`) holds item
+    digests: all of them (a snapshot, ``base_version`` NULL) or those appended to
+    ``base_version`` (a delta). Every other row holds the serialized value.
+    """
 
     __tablename__ = "checkpoint_blobs"
 
@@ -78,6 +84,20 @@ class BlobRow(Base):
     version: Mapped[str] = mapped_column(Text, primary_key=True)
     type: Mapped[str] = mapped_column(Text)
     blob: Mapped[bytes | None] = mapped_column(LargeBinary)
+    base_version: Mapped[str | None] = mapped_column(Text)
+
+
+class ItemRow(Base):
+    """One item of list channels, stored once per thread and namespace, keyed by the digest of
+    its serialized form (:mod:`.lists`)."""
+
+    __tablename__ = "checkpoint_items"
+
+    thread_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    checkpoint_ns: Mapped[str] = mapped_column(Text, primary_key=True, server_default="")
+    item: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
+    type: Mapped[str] = mapped_column(Text)
+    blob: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class WriteRow(Base):
@@ -102,5 +122,6 @@ class WriteRow(Base):
 
 checkpoints = CheckpointRow.__table__
 blobs = BlobRow.__table__
+items = ItemRow.__table__
 writes = WriteRow.__table__
 migrations_table = MigrationRow.__table__

@@ -13,8 +13,6 @@ saver also works with ``graph.ainvoke``; on an event loop prefer :class:`AsyncSQ
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -29,16 +27,14 @@ from langgraph.checkpoint.base import (
     DeltaChannelHistory,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
-from sqlalchemy import Connection, Engine, create_engine
-from sqlalchemy.engine import URL, Dialect
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import URL
 from sqlalchemy.pool import StaticPool
-from sqlalchemy.sql import sqltypes
 
 from langgraph_kvcache.checkpoint.base import (
     BaseSQLAlchemySaver,
     Mode,
     Op,
-    Stmt,
     check_prune_args,
     execution_options,
 )
@@ -53,75 +49,10 @@ from langgraph_kvcache.checkpoint.kv_sessions import (
     ThreadSessions,
     resolve_options,
 )
+from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, run_op, run_plain
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
-
-
-PLAIN_DRIVERS = ("pysqlite", "psycopg")
-"""Drivers whose DBAPI connections run ``plain`` statements directly (see :func:`run_op`)."""
-
-
-@functools.cache
-def _compiled(
-    dialect: Dialect, statement: Any
-) -> tuple[str, tuple[str, ...] | None, dict[str, Any], frozenset[str]]:
-    """SQL text, positional parameter names (None for named parameter styles), literal
-    parameter values (e.g. ``LIMIT 1``) and JSON-typed parameter names of a prebuilt statement,
-    compiled once."""
-    compiled = statement.compile(dialect=dialect)
-    fixed = {name: bind.value for name, bind in compiled.binds.items() if bind.value is not None}
-    json_names = frozenset(
-        name for name, bind in compiled.binds.items() if isinstance(bind.type, sqltypes.JSON)
-    )
-    names = tuple(compiled.positiontup) if compiled.positional else None
-    return str(compiled), names, fixed, json_names
-
-
-def run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:
-    """Run a ``plain`` statement on the DBAPI connection: skips SQLAlchemy's per-call execution
-    overhead (tens of microseconds), much of a small query's cost. The SQL is SQLAlchemy's own
-    compilation of the statement, cached; JSON parameters are dumped as SQLAlchemy would."""
-    sql, names, fixed, json_names = _compiled(dialect, stmt.statement)
-
-    def bind(params: dict[str, Any]) -> Any:
-        merged = {**fixed, **params}
-        for name in json_names:
-            merged[name] = json.dumps(merged[name])
-        return merged if names is None else [merged[n] for n in names]
-
-    cursor = driver.cursor()
-    try:
-        if isinstance(stmt.params, list):
-            cursor.executemany(sql, [bind(row) for row in stmt.params])
-            return []
-        cursor.execute(sql, bind(stmt.params or {}))
-        if not stmt.fetch:
-            return []
-        columns = [d[0] for d in cursor.description]
-        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
-    finally:
-        cursor.close()
-
-
-def run_op(conn: Connection, op: Op[T]) -> T:
-    """Run an operation's statements on ``conn``; returns the operation's result.
-
-    ``plain`` statements run straight on the DBAPI connection (SQLite's ``sqlite3``,
-    PostgreSQL's psycopg), inside the same transaction state as the SQLAlchemy connection.
-    """
-    plain_ok = conn.dialect.driver in PLAIN_DRIVERS
-    try:
-        stmt = next(op)
-        while True:
-            if stmt.plain and plain_ok:
-                rows = run_plain(conn.dialect, conn.connection.driver_connection, stmt)
-            else:
-                result = conn.execute(stmt.statement, stmt.params)
-                rows = list(result.mappings()) if stmt.fetch else []
-            stmt = op.send(rows)
-    except StopIteration as stop:
-        return stop.value
 
 
 class SQLAlchemySaver(BaseSQLAlchemySaver):
@@ -142,6 +73,11 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         kv_api_key: The server's bearer key, when it runs with ``--api-key``.
         ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and
             :meth:`sweep_expired` here). Needs ``kv_server``.
+        snapshot_every: List channels that grow by appending store each version as the new
+            items plus a link to the version it extends, with a full snapshot (of item
+            references) every ``snapshot_every`` versions, so a read follows at most
+            ``snapshot_every - 1`` links (default 100; 1: every version a snapshot). See
+            :mod:`.lists`.
     """
 
     def __init__(
@@ -152,8 +88,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         kv_server: str | KVSessionOptions | None = None,
         kv_api_key: str | None = None,
         ttl_seconds: float | None = None,
+        snapshot_every: int | None = None,
     ) -> None:
         super().__init__(serde=serde)
+        self._init_lists(snapshot_every)
         options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if hasattr(engine, "sync_engine"):
             raise TypeError("SQLAlchemySaver needs a sync Engine; use AsyncSQLAlchemySaver")
@@ -183,13 +121,14 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         kv_server: str | KVSessionOptions | None = None,
         kv_api_key: str | None = None,
         ttl_seconds: float | None = None,
+        snapshot_every: int | None = None,
         **kwargs: Any,
     ) -> Iterator[SQLAlchemySaver]:
         """Create a saver on a new engine for ``url``, disposed of on exit.
 
         ``url`` may be a plain ``sqlite:///path.db``, ``sqlite:///:memory:`` or
-        ``postgresql://...`` URL; the driver is chosen for you. ``kv_server``, ``kv_api_key``
-        and ``ttl_seconds`` are the constructor's; other ``kwargs`` go to
+        ``postgresql://...`` URL; the driver is chosen for you. ``kv_server``, ``kv_api_key``,
+        ``ttl_seconds`` and ``snapshot_every`` are the constructor's; other ``kwargs`` go to
         ``sqlalchemy.create_engine``.
         """
         parsed = normalize_url(url, asynchronous=False)
@@ -202,6 +141,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
                 kv_server=kv_server,
                 kv_api_key=kv_api_key,
                 ttl_seconds=ttl_seconds,
+                snapshot_every=snapshot_every,
             )
             yield saver
         finally:
@@ -292,9 +232,8 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
-        return self._run_raw(
-            self._op_put(config, checkpoint, metadata, new_versions), self._put_mode
-        )
+        rows, mode = self._put_rows(config, checkpoint, metadata, new_versions)
+        return self._run_raw(self._op_put(rows), mode)
 
     def put_writes(
         self,

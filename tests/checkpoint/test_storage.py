@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 from langgraph.checkpoint.base import ERROR, INTERRUPT, CheckpointTuple, empty_checkpoint
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from sqlalchemy import func, select
 
-from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, writes
+from langgraph_kvcache.checkpoint.lists import ListState
+from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items, writes
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
 from langgraph_kvcache.errors import KVCacheError, ThreadNotEmptyError
 
@@ -88,7 +90,10 @@ def test_prune_keep_latest_collects_blobs(saver: SQLAlchemySaver) -> None:
     assert kept[0].parent_config is None
     assert kept[0].checkpoint["channel_values"]["static"] == STATIC
     assert kept[0].pending_writes == [("task-new", "messages", "new")]
-    assert _count(saver, blobs, thread_id="t") == 2  # latest messages + static
+    # The latest messages version is a delta over the three before it (lists.py): the chain
+    # stays, with "static"; the four messages are stored once each.
+    assert _count(saver, blobs, thread_id="t") == 5
+    assert _count(saver, items, thread_id="t") == 4
     assert _count(saver, writes, thread_id="t") == 1
     assert _count(saver, checkpoints, thread_id="other") == 2
     with pytest.raises(ValueError, match="Unknown prune strategy"):
@@ -115,7 +120,8 @@ def test_delete_for_runs_collects_blobs_and_parents(saver: SQLAlchemySaver) -> N
     # "static" was written by run-1's checkpoint but later ones still use it: kept.
     assert second.checkpoint["channel_values"]["static"] == STATIC
     assert _count(saver, blobs, thread_id="t", channel="static") == 1
-    assert _count(saver, blobs, thread_id="t", channel="messages") == 2
+    # The deleted checkpoint's messages version is the snapshot the later deltas extend: kept.
+    assert _count(saver, blobs, thread_id="t", channel="messages") == 3
     assert _count(saver, writes, thread_id="t") == 0
     saver.delete_for_runs(["missing"])
     assert _count(saver, checkpoints, thread_id="t") == 2
@@ -195,9 +201,13 @@ def test_encrypted_serializer(db_url: str) -> None:
         assert found is not None
         assert found.checkpoint["channel_values"]["secret"] == ["top-secret-text"]
         with saver.engine.connect() as conn:
-            raw = conn.execute(select(blobs.c.type, blobs.c.blob)).one()
+            raw = conn.execute(select(items.c.type, items.c.blob)).one()  # the list's one item
+            digests = conn.execute(select(blobs.c.blob)).scalar_one()
         assert raw.type.endswith("+aes")
         assert b"top-secret-text" not in raw.blob
+        # Digests of encrypted items are keyed per saver: no plaintext hash is stored.
+        plain_typed = JsonPlusSerializer().dumps_typed("top-secret-text")
+        assert digests != ListState(JsonPlusSerializer())._digest(plain_typed)
     with SQLAlchemySaver.from_conn_string(db_url) as plain, pytest.raises(Exception):  # noqa: B017
         plain.get_tuple(config)
 

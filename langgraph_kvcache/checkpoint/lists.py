@@ -1,0 +1,306 @@
+"""Append-aware storage of list-valued channels (``add_messages``' ``messages`` and the like).
+
+LangGraph gives a saver each new version of a channel as a whole value, so a list that grows by
+one message per step would cost O(N^2) bytes over N steps if each version were stored whole.
+Here a version of a list channel is stored as *references* to its items instead:
+
+- each item is serialized on its own and stored once per thread and namespace in
+  ``checkpoint_items``, keyed by a 16-byte BLAKE2b digest of its serialized form;
+- a version's row in ``checkpoint_blobs`` has type :data:`ITEMS_TYPE` and holds digests: a
+  *snapshot* (``base_version`` NULL) lists every item; a *delta* (``base_version`` set) lists
+  only the items appended to the version it extends. A delta is written when the new value
+  starts with the base version's items, byte for byte after serde; anything else (a removal,
+  an edit, a reorder, ``update_state`` that rewrites) is a snapshot. Every
+  ``snapshot_every``-th version of a chain is a snapshot, so a read follows at most
+  ``snapshot_every - 1`` links. A snapshot lists digests, not items, so no item is stored twice
+  and the bytes per step stay flat;
+- reads concatenate the digests along the chain and rebuild the list. When every item was
+  serialized by msgpack (``JsonPlusSerializer``'s default), the items' bytes joined behind a
+  msgpack array header are exactly the bytes of the whole list, so the list is decoded in one
+  ``loads_typed`` call, as a plain saver would.
+
+Which version a delta extends comes from :class:`ListState`, a per-saver memory of the list
+versions of recently written or read checkpoints (a miss costs a snapshot, never a wrong
+value), and the items' bytes are remembered by digest (content-addressed, so always valid).
+With ``EncryptedSerializer`` the digests are keyed per saver and computed over the plaintext
+(the ciphertext is randomised), so appends are still found without storing plaintext hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
+
+ITEMS_TYPE = "lgkv.items"
+"""``checkpoint_blobs.type`` of a list version stored as item digests."""
+
+DIGEST_SIZE = 16
+"""Bytes per item digest."""
+
+DEFAULT_SNAPSHOT_EVERY = 100
+"""Default ``snapshot_every``: a chain of list versions restarts with a snapshot every 100
+versions, so a read walks at most 99 links."""
+
+ITEM_CACHE_BYTES = 64 * 2**20
+"""Default bound of the serialized item bytes a saver remembers (by digest)."""
+
+CHAIN_CACHE_ENTRIES = 2048
+"""Checkpoints whose list versions a saver remembers (to write deltas against them)."""
+
+
+@dataclass(frozen=True)
+class ListVersion:
+    """What a saver knows about one stored version of a list channel."""
+
+    version: str
+    digests: bytes
+    """The digests of every item of the value, in order (``DIGEST_SIZE`` bytes each)."""
+    links: int
+    """Deltas between this version and its chain's snapshot (0: a snapshot)."""
+
+
+@dataclass(frozen=True)
+class PlannedList:
+    """The rows one ``put`` writes for one list channel."""
+
+    blob_row: dict[str, Any]
+    item_rows: list[dict[str, Any]]
+    state: ListVersion
+
+
+def msgpack_array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements."""
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 2**16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def split_digests(data: bytes) -> list[bytes]:
+    """The digests packed in a :data:`ITEMS_TYPE` row."""
+    return [data[i : i + DIGEST_SIZE] for i in range(0, len(data), DIGEST_SIZE)]
+
+
+def is_item_list(value: Any) -> bool:
+    """Whether ``value`` is stored as items: exactly a ``list`` (not a subclass, not a tuple)."""
+    return type(value) is list
+
+
+class _ByteLRU:
+    """A thread-safe LRU of digest -> (serde type, bytes), bounded by total bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> tuple[str, bytes] | None:
+        with self._lock:
+            found = self._data.get(digest)
+            if found is not None:
+                self._data.move_to_end(digest)
+            return found
+
+    def put(self, digest: bytes, item: tuple[str, bytes]) -> None:
+        size = len(item[1]) + 64
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if digest in self._data:
+                self._data.move_to_end(digest)
+                return
+            self._data[digest] = item
+            self._size += size
+            while self._size > self.max_bytes:
+                _, old = self._data.popitem(last=False)
+                self._size -= len(old[1]) + 64
+
+
+class ListState:
+    """One saver's memory for append-aware storage: the list versions of recent checkpoints
+    and the serialized items by digest. Thread-safe; bounded (see the module constants).
+
+    Args:
+        serde: The saver's serializer.
+        snapshot_every: Store a full snapshot (of digests) at least every this many versions of
+            a chain; ``1`` stores every version as a snapshot. Reads walk at most
+            ``snapshot_every - 1`` links.
+        item_cache_bytes: Bound of the remembered serialized items.
+    """
+
+    def __init__(
+        self,
+        serde: SerializerProtocol,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        item_cache_bytes: int = ITEM_CACHE_BYTES,
+    ) -> None:
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(
+                f"snapshot_every must be a positive int (got {snapshot_every!r}); "
+                f"{DEFAULT_SNAPSHOT_EVERY} is the default"
+            )
+        self.serde = serde
+        self.snapshot_every = snapshot_every
+        self.items = _ByteLRU(item_cache_bytes)
+        encrypted = isinstance(serde, EncryptedSerializer)
+        self._digest_serde: SerializerProtocol = serde.serde if encrypted else serde
+        self._digest_key = os.urandom(16) if encrypted else b""
+        self._encrypted = encrypted
+        self._chains: OrderedDict[tuple[str, str, str], dict[str, ListVersion]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- what this saver knows about checkpoints ------------------------------------------
+
+    def remember(self, thread_id: str, ns: str, checkpoint_id: str, lists: dict[str, ListVersion]):
+        """Record the list versions of a checkpoint just written or read."""
+        key = (thread_id, ns, checkpoint_id)
+        with self._lock:
+            self._chains[key] = lists
+            self._chains.move_to_end(key)
+            while len(self._chains) > CHAIN_CACHE_ENTRIES:
+                self._chains.popitem(last=False)
+
+    def recall(self, thread_id: str, ns: str, checkpoint_id: str | None) -> dict[str, ListVersion]:
+        """The list versions recorded for a checkpoint (empty when unknown)."""
+        if not checkpoint_id:
+            return {}
+        with self._lock:
+            return self._chains.get((thread_id, ns, checkpoint_id), {})
+
+    def forget_threads(self, thread_ids: Iterable[str]) -> None:
+        """Drop what is known about ``thread_ids`` (after they lost or may lose checkpoints), so
+        no delta is written against a version that was deleted."""
+        gone = set(thread_ids)
+        with self._lock:
+            for key in [k for k in self._chains if k[0] in gone]:
+                del self._chains[key]
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _digest(self, typed: tuple[str, bytes]) -> bytes:
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE, key=self._digest_key)
+        h.update(typed[0].encode())
+        h.update(b"\0")
+        h.update(typed[1])
+        return h.digest()
+
+    def plan(
+        self,
+        thread_id: str,
+        ns: str,
+        channel: str,
+        version: str,
+        value: list[Any],
+        base: ListVersion | None,
+    ) -> PlannedList:
+        """The rows that store ``value`` as ``version`` of ``channel``: a delta against
+        ``base`` (the parent checkpoint's version) when ``value`` starts with ``base``'s items
+        and the chain is shorter than ``snapshot_every``, else a snapshot."""
+        plain = [self._digest_serde.dumps_typed(item) for item in value]
+        digests: list[bytes] = []
+        base_digests = split_digests(base.digests) if base is not None else []
+        prefix = base is not None and len(base_digests) <= len(plain)
+        for i, typed in enumerate(plain):
+            if prefix and i < len(base_digests):
+                known = None if self._encrypted else self.items.get(base_digests[i])
+                if known == typed:
+                    digests.append(base_digests[i])
+                    continue
+                digest = self._digest(typed)
+                if digest != base_digests[i]:
+                    prefix = False
+                digests.append(digest)
+            else:
+                digests.append(self._digest(typed))
+        packed = b"".join(digests)
+        delta = base is not None and prefix and base.links + 1 < self.snapshot_every
+        start = len(base_digests) if delta else 0
+        stored = set(base_digests)  # the base is stored, so are its items
+        item_rows = []
+        seen: set[bytes] = set()
+        for i in range(start, len(plain)) if delta else range(len(plain)):
+            digest = digests[i]
+            if digest in stored or digest in seen:
+                continue
+            seen.add(digest)
+            typed = self.serde.dumps_typed(value[i]) if self._encrypted else plain[i]
+            self.items.put(digest, typed)
+            item_rows.append(
+                {
+                    "thread_id": thread_id,
+                    "checkpoint_ns": ns,
+                    "item": digest,
+                    "type": typed[0],
+                    "blob": typed[1],
+                }
+            )
+        blob_row = {
+            "thread_id": thread_id,
+            "checkpoint_ns": ns,
+            "channel": channel,
+            "version": version,
+            "type": ITEMS_TYPE,
+            "blob": packed[start * DIGEST_SIZE :],
+            "base_version": base.version if delta and base is not None else None,
+        }
+        state = ListVersion(version, packed, base.links + 1 if delta and base else 0)
+        return PlannedList(blob_row, item_rows, state)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def chain_digests(
+        self,
+        thread_id: str,
+        ns: str,
+        channel: str,
+        version: str,
+        blobs: Mapping[tuple[str, str, str, str], tuple[str, bytes | None, str | None]],
+    ) -> ListVersion:
+        """Follow ``version``'s chain in ``blobs`` (rows as read) back to its snapshot."""
+        parts: list[bytes] = []
+        links = -1
+        current: str | None = version
+        while current is not None:
+            row = blobs.get((thread_id, ns, channel, current))
+            if row is None or row[0] != ITEMS_TYPE:
+                raise LookupError(
+                    f"checkpoint data is missing: version {current!r} of channel {channel!r} "
+                    f"(thread {thread_id!r}, namespace {ns!r}) is gone, though a later version "
+                    "extends it. Was the thread pruned or deleted by another process while "
+                    "this one wrote to it? Delete the thread or fork from an older checkpoint."
+                )
+            parts.append(row[1] or b"")
+            current = row[2]
+            links += 1
+        parts.reverse()
+        return ListVersion(version, b"".join(parts), links)
+
+    def decode(self, digests: bytes, items: Mapping[bytes, tuple[str, bytes]]) -> list[Any]:
+        """The list whose items have ``digests``, from ``items`` or this saver's memory."""
+        typed = []
+        for digest in split_digests(digests):
+            found = items.get(digest) or self.items.get(digest)
+            if found is None:
+                raise LookupError(
+                    f"checkpoint data is missing: list item {digest.hex()} is not stored. Was "
+                    "the thread pruned by another process while this one wrote to it?"
+                )
+            typed.append(found)
+        if all(t == "msgpack" for t, _ in typed):
+            data = msgpack_array_header(len(typed)) + b"".join(b for _, b in typed)
+            return self.serde.loads_typed(("msgpack", data))
+        return [self.serde.loads_typed(t) for t in typed]
+
+    def missing(self, digests: Iterable[bytes]) -> list[bytes]:
+        """The digests among ``digests`` whose items this saver does not remember."""
+        return sorted({d for d in digests if self.items.get(d) is None})
