@@ -76,7 +76,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with start_engine(args) as engine:
+        async with start_engine(args, cache_dir=config.cache_dir) as engine:
             tasks = await engine.get_supported_tasks()
             if SUPPORTED_TASK not in tasks:
                 raise UnsupportedModelError(

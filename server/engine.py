@@ -28,6 +28,10 @@ TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 """ChatML with hermes-style tool calls, for ChatML models whose template has no tools."""
 CONNECTOR_NAME = "SessionKVConnector"
 CONNECTOR_MODULE = "server.kv.connector"
+SHUTDOWN_TIMEOUT_S = 30
+"""Default ``--shutdown-timeout``: on SIGTERM the engine drains in-flight requests and the
+connector's queued disk writes for at most this long (vLLM's own default, 0, aborts at once
+and loses the writes still queued)."""
 
 
 class ModelNotFoundError(ConfigError):
@@ -123,6 +127,8 @@ def vllm_argv(config: ServerConfig) -> list[str]:
             argv += ["--chat-template", str(template)]
     if config.api_keys:
         argv += ["--api-key", *config.api_keys]
+    if not _has_flag(config.vllm_args, "--shutdown-timeout"):
+        argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if config.kv_offload:
         if _has_flag(config.vllm_args, "--kv-transfer-config"):
             raise ConfigError(
@@ -161,6 +167,9 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.launchers.launcher import validate_api_server_args
 
+    from server.logs import use_vllm_logging
+
+    use_vllm_logging()
     argv = vllm_argv(config)
     parser = vllm_parser()
     try:
@@ -176,13 +185,30 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
 
 
 @asynccontextmanager
-async def start_engine(args: argparse.Namespace) -> AsyncIterator[EngineClient]:
-    """vLLM's ``AsyncLLM`` for ``args``; shut down when the block exits."""
+async def start_engine(
+    args: argparse.Namespace, *, cache_dir: Path | None = None
+) -> AsyncIterator[EngineClient]:
+    """vLLM's ``AsyncLLM`` for ``args``; shut down when the block exits.
+
+    With ``cache_dir``, shared memory that a killed predecessor's engine left is reclaimed
+    before the engine starts, this engine's segments are recorded once it is up, and what its
+    stop left behind is reclaimed after it exits (:mod:`server.shm`).
+    """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.entry import (
         build_async_engine_client_from_engine_args,
     )
 
+    from server import shm
+
+    if cache_dir is not None:
+        shm.reclaim_segments(cache_dir)
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    async with build_async_engine_client_from_engine_args(engine_args) as engine:
-        yield engine
+    try:
+        async with build_async_engine_client_from_engine_args(engine_args) as engine:
+            if cache_dir is not None:
+                shm.record_segments(cache_dir)
+            yield engine
+    finally:
+        if cache_dir is not None:
+            shm.reclaim_segments(cache_dir, own=True)
