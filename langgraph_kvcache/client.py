@@ -1,4 +1,4 @@
-"""A small httpx client (sync and async) for the server's session API (contracts.md, section 4).
+"""A small httpx client (sync and async) for the server's session API.
 
 ```python
 with KVCacheClient("http://127.0.0.1:8000") as kv:
@@ -23,8 +23,16 @@ from urllib.parse import quote
 
 import httpx
 
+from langgraph_kvcache.contract import (
+    UNSET,
+    PrefetchResult,
+    Session,
+    TierUsage,
+    check_ttl,
+)
+from langgraph_kvcache.contract import Unset as _Unset
 from langgraph_kvcache.errors import KVCacheError
-from langgraph_kvcache.sessions import PrefetchResult, Session, TierUsage, validate_session_id
+from langgraph_kvcache.sessions import validate_session_id
 
 __all__ = [
     "UNSET",
@@ -42,16 +50,6 @@ __all__ = [
 
 DEFAULT_SERVER_URL: Final = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S: Final = 30.0
-
-
-class _Unset:
-    """Type of :data:`UNSET`: "leave this field as it is" (see ``update_session``)."""
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = _Unset()
 
 
 # ----------------------------------------------------------------------------- errors
@@ -111,10 +109,18 @@ def _path(session_id: str, action: str = "") -> str:
     return f"/v1/sessions/{sid}/{action}" if action else f"/v1/sessions/{sid}"
 
 
+def _create_body(session_id: str, ttl_seconds: float | None, pinned: bool) -> dict[str, Any]:
+    return {
+        "id": validate_session_id(session_id),
+        "ttl_seconds": check_ttl(ttl_seconds),
+        "pinned": pinned,
+    }
+
+
 def _update_body(ttl_seconds: float | _Unset | None, pinned: bool | None) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if not isinstance(ttl_seconds, _Unset):
-        body["ttl_seconds"] = ttl_seconds
+        body["ttl_seconds"] = check_ttl(ttl_seconds)
     if pinned is not None:
         body["pinned"] = pinned
     return body
@@ -233,7 +239,7 @@ class KVCacheClient:
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """Create an empty session; raises :class:`SessionExistsError` if it exists."""
-        body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
+        body = _create_body(session_id, ttl_seconds, pinned)
         return _session(self._call("POST", "/v1/sessions", body))
 
     def update_session(
@@ -324,7 +330,7 @@ class AsyncKVCacheClient:
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.create_session`."""
-        body = {"id": validate_session_id(session_id), "ttl_seconds": ttl_seconds, "pinned": pinned}
+        body = _create_body(session_id, ttl_seconds, pinned)
         return _session(await self._call("POST", "/v1/sessions", body))
 
     async def update_session(

@@ -1,6 +1,7 @@
 """Map LangGraph threads (and subgraph namespaces) to server session ids.
 
-A server session is named by a string matching :data:`SESSION_ID_PATTERN` (contracts.md, 1).
+A server session is named by a string matching :data:`SESSION_ID_PATTERN` (defined, with the
+session records, in :mod:`langgraph_kvcache.contract`).
 One LangGraph thread owns one session for its root graph, and one more per subgraph that calls
 the model, so that every conversation the server sees is one growing prefix:
 
@@ -16,8 +17,9 @@ with :func:`thread_session_prefix` followed by ``|``; the checkpointer uses that
 thread's subgraph sessions along with the thread.
 
 Further down: helpers that read the configuration of the running graph (the ``RunnableConfig``
-that LangGraph puts in a context variable while a node runs), and the session records the
-server's session API returns (:class:`Session`, :class:`TierUsage`, :class:`PrefetchResult`).
+that LangGraph puts in a context variable while a node runs). The session records the server's
+session API returns (:class:`Session`, :class:`TierUsage`, :class:`PrefetchResult`) are
+re-exported from :mod:`langgraph_kvcache.contract`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,19 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import var_child_runnable_config
+
+from langgraph_kvcache.contract import (
+    SESSION_ID_PATTERN,
+    PrefetchResult,
+    Session,
+    TierUsage,
+    check_session_id,
+    is_valid_session_id,
+)
 
 __all__ = [
     "SESSION_ID_PATTERN",
@@ -45,9 +55,6 @@ __all__ = [
     "validate_session_id",
 ]
 
-SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@|=+\-]{0,254}$")
-"""The server's session id syntax (contracts.md, section 1)."""
-
 MAX_SESSION_ID_LENGTH = 255
 MAX_THREAD_PART_LENGTH = 200
 """Thread ids up to this length that fit the syntax (and hold no ``|``) are used unchanged."""
@@ -59,20 +66,10 @@ _DIGEST_CHARS = 24
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@=+\-]")  # "|" is unsafe inside one part
 
 
-def is_valid_session_id(session_id: str) -> bool:
-    """Whether ``session_id`` matches the server's session id syntax."""
-    return bool(SESSION_ID_PATTERN.fullmatch(session_id))
-
-
 def validate_session_id(session_id: str) -> str:
-    """Return ``session_id`` unchanged, or raise ``ValueError`` saying what a valid id is."""
-    if not isinstance(session_id, str) or not is_valid_session_id(session_id):
-        raise ValueError(
-            f"Invalid session id {session_id!r}: it must be 1-255 characters, start with a letter "
-            "or digit, and use only letters, digits and . _ : @ | = + -. "
-            "Use session_id_for(thread_id) to derive a valid id from any thread id."
-        )
-    return session_id
+    """Return ``session_id`` unchanged, or raise ``InvalidSessionId`` (a ``ValueError``) saying
+    what a valid id is."""
+    return check_session_id(session_id)
 
 
 def _hashed(text: str, keep: int) -> str:
@@ -166,89 +163,3 @@ def session_id_from_config(config: RunnableConfig | Mapping[str, Any] | None) ->
     if thread_id is None or thread_id == "":
         return None
     return session_id_for(thread_id, graph_namespace(configurable))
-
-
-# ----------------------------------------------------------------------------- server records
-@dataclass(frozen=True)
-class TierUsage:
-    """How much of a session lives in one storage tier."""
-
-    blocks: int
-    """Number of the session's KV blocks held by the tier."""
-    bytes: int
-    """Bytes those blocks take in the tier."""
-
-
-@dataclass(frozen=True)
-class Session:
-    """A server session (contracts.md 4): the KV cache of one thread's graph or subgraph."""
-
-    id: str
-    """Session id (see :func:`session_id_for`)."""
-    tenant: str
-    """Tenant owning the session (derived by the server from the API key)."""
-    num_tokens: int
-    """Tokens of the conversation prefix whose KV the session holds."""
-    num_blocks: int
-    """KV blocks the session references."""
-    turns: int
-    """Requests that have named this session."""
-    created_at: float
-    """Creation time, unix seconds."""
-    last_used_at: float
-    """Time of the last request or API call that used the session, unix seconds."""
-    pinned: bool
-    """Pinned sessions are never evicted and never expire."""
-    ttl_seconds: float | None
-    """Idle time after which the session expires; ``None``: never."""
-    expires_at: float | None
-    """When the session expires if unused, unix seconds; ``None``: never."""
-    tiers: dict[str, TierUsage] = field(default_factory=dict)
-    """Usage per tier, keyed ``"ram"``, ``"disk"``, ``"redis"``."""
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Session:
-        """Parse the server's Session JSON; ``ValueError`` says which part is malformed."""
-        try:
-            return cls(
-                id=str(data["id"]),
-                tenant=str(data["tenant"]),
-                num_tokens=int(data["num_tokens"]),
-                num_blocks=int(data["num_blocks"]),
-                turns=int(data["turns"]),
-                created_at=float(data["created_at"]),
-                last_used_at=float(data["last_used_at"]),
-                pinned=bool(data["pinned"]),
-                ttl_seconds=_opt_float(data.get("ttl_seconds")),
-                expires_at=_opt_float(data.get("expires_at")),
-                tiers={
-                    str(name): TierUsage(blocks=int(u["blocks"]), bytes=int(u["bytes"]))
-                    for name, u in (data.get("tiers") or {}).items()
-                },
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"not a Session: {exc!r}") from exc
-
-
-@dataclass(frozen=True)
-class PrefetchResult:
-    """Answer of the prefetch endpoint: the session's KV is in RAM now."""
-
-    id: str
-    """The session prefetched."""
-    blocks: int
-    """Blocks of the session."""
-    ram_blocks: int
-    """Blocks in RAM once the prefetch finished."""
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PrefetchResult:
-        """Parse the prefetch answer; ``ValueError`` if it is malformed."""
-        try:
-            return cls(str(data["id"]), int(data["blocks"]), int(data["ram_blocks"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a prefetch answer: {exc!r}") from exc
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 from starlette.datastructures import Headers
 
-DEFAULT_TENANT = "default"
+from langgraph_kvcache.contract import DEFAULT_TENANT
+
 PUBLIC_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 

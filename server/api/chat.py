@@ -25,6 +25,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from langgraph_kvcache.contract import XARG_SESSION, XARG_TENANT
 from server.api.auth import KeyRing
 from server.api.protocol import APIError, check_session_id, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
@@ -69,16 +70,16 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
         value = out.pop(field, None)
         if value is not None:
             named[field] = value
-    if xargs.get("session_id") is not None:
-        named["vllm_xargs.session_id"] = xargs["session_id"]
+    if xargs.get(XARG_SESSION) is not None:
+        named[f"vllm_xargs.{XARG_SESSION}"] = xargs[XARG_SESSION]
     for field, value in named.items():
         check_session_id(value, field=field)
     if len(set(named.values())) > 1:
         listed = ", ".join(f"{k}={v!r}" for k, v in named.items())
         raise APIError(400, f"the request names two different sessions ({listed}); send one")
     if named:
-        xargs["session_id"] = next(iter(named.values()))
-    xargs["tenant"] = tenant
+        xargs[XARG_SESSION] = next(iter(named.values()))
+    xargs[XARG_TENANT] = tenant
     out["vllm_xargs"] = xargs
     if salted:
         client_salt = out.pop("cache_salt", None)

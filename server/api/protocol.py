@@ -13,7 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from server.kv.control import SESSION_ID_RE  # the syntax of contracts.md 1 (no torch)
+from langgraph_kvcache.contract import (
+    MAX_TTL_SECONDS,
+    MIN_TTL_SECONDS,
+    SESSION_ID_PATTERN,
+    InvalidSessionId,
+)
+from langgraph_kvcache.contract import check_session_id as _check_session_id
 
 _TYPES = {
     400: "invalid_request_error",
@@ -58,15 +64,34 @@ async def api_error_handler(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.type)
 
 
+SESSION_ID_SCHEMA: dict[str, Any] = {
+    "pattern": SESSION_ID_PATTERN.pattern,
+    "minLength": 1,
+    "maxLength": 255,
+}
+"""JSON Schema of a session id, for the OpenAPI document (the routes check ids themselves and
+answer 400 naming the rule)."""
+
+
 def check_session_id(value: object, *, field: str = "session id") -> str:
     """Return ``value`` if it is a valid session id, else raise a 400 :class:`APIError`."""
-    if not isinstance(value, str) or not SESSION_ID_RE.match(value):
-        raise APIError(
-            400,
-            f"invalid {field} {value!r}: use 1-255 characters from A-Z a-z 0-9 . _ : @ | = + -,"
-            " starting with a letter or digit",
-        )
-    return value
+    try:
+        return _check_session_id(value, field=field)
+    except InvalidSessionId as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _ttl_field(default: Any = None) -> Any:
+    return Field(
+        default=default,
+        ge=MIN_TTL_SECONDS,
+        le=MAX_TTL_SECONDS,
+        allow_inf_nan=False,
+        description=(
+            f"Seconds of idle time before the session expires, {MIN_TTL_SECONDS:g} to "
+            f"{MAX_TTL_SECONDS:g}; null: never."
+        ),
+    )
 
 
 class _Body(BaseModel):
@@ -76,22 +101,22 @@ class _Body(BaseModel):
 class SessionCreate(_Body):
     """``POST /v1/sessions``."""
 
-    id: str
-    ttl_seconds: float | None = Field(default=None, gt=0)
+    id: str = Field(json_schema_extra=SESSION_ID_SCHEMA)
+    ttl_seconds: float | None = _ttl_field()
     pinned: bool = False
 
 
 class SessionUpdate(_Body):
     """``PATCH /v1/sessions/{id}``; absent fields stay as they are."""
 
-    ttl_seconds: float | None = Field(default=None, gt=0)
+    ttl_seconds: float | None = _ttl_field()
     pinned: bool | None = None
 
 
 class SessionCopy(_Body):
     """``POST /v1/sessions/{id}/copy``."""
 
-    target_id: str
+    target_id: str = Field(json_schema_extra=SESSION_ID_SCHEMA)
     overwrite: bool = False
 
 
@@ -123,58 +148,6 @@ def parse_body(model: type[BaseModel], raw: bytes, *, empty_ok: bool = False) ->
 
 def _fields(model: type[BaseModel]) -> str:
     return "fields: " + ", ".join(model.model_fields)
-
-
-# Response shapes, for the OpenAPI schema (the routes build the same JSON from SessionInfo).
-
-
-class TierUsageOut(BaseModel):
-    """What one tier holds of a session."""
-
-    blocks: int
-    bytes: int
-
-
-class SessionOut(BaseModel):
-    """A session: one conversation's KV (contracts.md section 4)."""
-
-    id: str
-    object: str = "session"
-    tenant: str
-    num_tokens: int
-    num_blocks: int
-    turns: int
-    created_at: float
-    last_used_at: float
-    pinned: bool
-    ttl_seconds: float | None
-    expires_at: float | None
-    tiers: dict[str, TierUsageOut] = Field(description='keys "ram", "disk", "redis"')
-
-
-class SessionListOut(BaseModel):
-    """``GET /v1/sessions``."""
-
-    object: str = "list"
-    data: list[SessionOut]
-
-
-class SessionDeletedOut(BaseModel):
-    """``DELETE /v1/sessions/{id}``."""
-
-    id: str
-    object: str = "session.deleted"
-    deleted: bool = True
-    freed_blocks: int
-
-
-class PrefetchOut(BaseModel):
-    """``POST /v1/sessions/{id}/prefetch``: blocks of the session, and how many are in RAM."""
-
-    id: str
-    object: str = "session.prefetch"
-    blocks: int
-    ram_blocks: int
 
 
 class ErrorDetail(BaseModel):

@@ -1,4 +1,4 @@
-"""The HTTP session API (contracts.md section 4) over :class:`server.kv.control.SessionControl`.
+"""The HTTP session API over :class:`server.kv.control.SessionControl`.
 
 Routes sit under ``/v1`` and so behind the same bearer-key check as the OpenAI routes; each
 request acts for its own tenant (a session of another tenant is a 404). Registry calls are
@@ -9,20 +9,25 @@ blocking SQLite work and run in a worker thread. With ``--no-kv-offload`` every 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import JSONResponse
 
+from langgraph_kvcache.contract import (
+    UNSET,
+    InvalidSessionId,
+    InvalidTTL,
+    PrefetchResult,
+    Session,
+    SessionDeleted,
+    SessionList,
+)
 from server.api.protocol import (
+    SESSION_ID_SCHEMA,
     APIError,
-    PrefetchOut,
     SessionCopy,
     SessionCreate,
-    SessionDeletedOut,
-    SessionListOut,
-    SessionOut,
     SessionUpdate,
     body_schema,
     check_session_id,
@@ -62,7 +67,7 @@ async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from server.kv.control import InvalidSessionId, SessionExists, SessionNotFound
+    from server.kv.control import SessionExists, SessionNotFound
 
     try:
         return await runner(*args, **kwargs)
@@ -70,14 +75,15 @@ async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise APIError(404, str(exc) or "no such session") from exc
     except SessionExists as exc:
         raise APIError(409, str(exc) or "the session exists") from exc
-    except InvalidSessionId as exc:
+    except (InvalidSessionId, InvalidTTL) as exc:
         raise APIError(400, str(exc)) from exc
     except ValueError as exc:  # the registry's own argument checks (e.g. a TTL <= 0)
         raise APIError(400, str(exc)) from exc
 
 
-def _session(info: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(info.to_dict(), status_code=status)
+SessionId = Annotated[
+    str, Path(description="The session id.", json_schema_extra=SESSION_ID_SCHEMA)
+]
 
 
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -93,120 +99,106 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
     return value
 
 
-@router.get("", response_model=SessionListOut)
-async def list_sessions(request: Request) -> JSONResponse:
+@router.get("", response_model=SessionList)
+async def list_sessions(request: Request) -> SessionList:
     """``GET /v1/sessions?limit=100&offset=0``: this tenant's sessions, most recent first."""
     control = _control(request)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31)
     infos = await _call(control.list, _tenant(request), limit=limit, offset=offset)
-    return JSONResponse({"object": "list", "data": [i.to_dict() for i in infos]})
+    return SessionList(data=infos)
 
 
 @router.post(
     "",
     status_code=201,
-    response_model=SessionOut,
+    response_model=Session,
     responses=error_responses(409, 422),
     openapi_extra=body_schema(SessionCreate),
 )
-async def create_session(request: Request) -> JSONResponse:
+async def create_session(request: Request) -> Session:
     """``POST /v1/sessions`` -> 201 Session; 409 when the id exists."""
     control = _control(request)
     body = cast(SessionCreate, parse_body(SessionCreate, await request.body()))
     sid = check_session_id(body.id, field="id")
-    info = await _call(
+    return await _call(
         control.create, sid, _tenant(request), ttl_seconds=body.ttl_seconds, pinned=body.pinned
     )
-    return _session(info, 201)
 
 
-@router.get("/{session_id}", response_model=SessionOut, responses=_ONE)
-async def get_session(session_id: str, request: Request) -> JSONResponse:
+@router.get("/{session_id}", response_model=Session, responses=_ONE)
+async def get_session(session_id: SessionId, request: Request) -> Session:
     """``GET /v1/sessions/{id}``; 404 when unknown."""
     control = _control(request)
     check_session_id(session_id)
-    return _session(await _call(control.get, session_id, _tenant(request)))
+    return await _call(control.get, session_id, _tenant(request))
 
 
 @router.patch(
     "/{session_id}",
-    response_model=SessionOut,
+    response_model=Session,
     responses=error_responses(404, 422),
     openapi_extra=body_schema(SessionUpdate),
 )
-async def update_session(session_id: str, request: Request) -> JSONResponse:
+async def update_session(session_id: SessionId, request: Request) -> Session:
     """``PATCH /v1/sessions/{id}`` with ``ttl_seconds`` and/or ``pinned``."""
-    from server.kv.control import UNSET
-
     control = _control(request)
     check_session_id(session_id)
     body = cast(SessionUpdate, parse_body(SessionUpdate, await request.body()))
     ttl = body.ttl_seconds if "ttl_seconds" in body.model_fields_set else UNSET
-    info = await _call(
+    return await _call(
         control.update, session_id, _tenant(request), ttl_seconds=ttl, pinned=body.pinned
     )
-    return _session(info)
 
 
-@router.delete("/{session_id}", response_model=SessionDeletedOut, responses=_ONE)
-async def delete_session(session_id: str, request: Request) -> JSONResponse:
+@router.delete("/{session_id}", response_model=SessionDeleted, responses=_ONE)
+async def delete_session(session_id: SessionId, request: Request) -> SessionDeleted:
     """``DELETE /v1/sessions/{id}``: drop the session and the blocks only it used."""
     control = _control(request)
     check_session_id(session_id)
     freed = await _call(control.delete, session_id, _tenant(request))
-    return JSONResponse(
-        {"id": session_id, "object": "session.deleted", "deleted": True, "freed_blocks": freed}
-    )
+    return SessionDeleted(id=session_id, freed_blocks=freed)
 
 
-async def _set_pin(session_id: str, request: Request, pinned: bool) -> JSONResponse:
+async def _set_pin(session_id: str, request: Request, pinned: bool) -> Session:
     control = _control(request)
     check_session_id(session_id)
-    return _session(await _call(control.update, session_id, _tenant(request), pinned=pinned))
+    return await _call(control.update, session_id, _tenant(request), pinned=pinned)
 
 
-@router.post("/{session_id}/pin", response_model=SessionOut, responses=_ONE)
-async def pin_session(session_id: str, request: Request) -> JSONResponse:
+@router.post("/{session_id}/pin", response_model=Session, responses=_ONE)
+async def pin_session(session_id: SessionId, request: Request) -> Session:
     """``POST /v1/sessions/{id}/pin``: never evict this session's blocks."""
     return await _set_pin(session_id, request, True)
 
 
-@router.post("/{session_id}/unpin", response_model=SessionOut, responses=_ONE)
-async def unpin_session(session_id: str, request: Request) -> JSONResponse:
+@router.post("/{session_id}/unpin", response_model=Session, responses=_ONE)
+async def unpin_session(session_id: SessionId, request: Request) -> Session:
     """``POST /v1/sessions/{id}/unpin``."""
     return await _set_pin(session_id, request, False)
 
 
-@router.post("/{session_id}/prefetch", response_model=PrefetchOut, responses=_ONE)
-async def prefetch_session(session_id: str, request: Request) -> JSONResponse:
+@router.post("/{session_id}/prefetch", response_model=PrefetchResult, responses=_ONE)
+async def prefetch_session(session_id: SessionId, request: Request) -> PrefetchResult:
     """``POST /v1/sessions/{id}/prefetch``: bring the session's blocks from disk into RAM."""
     control = _control(request)
     check_session_id(session_id)
     tenant = _tenant(request)
-    result = await _guard(control.prefetch, session_id, tenant)
-    return JSONResponse(
-        {
-            "id": session_id,
-            "object": "session.prefetch",
-            "blocks": int(result.get("blocks", 0)),
-            "ram_blocks": int(result.get("ram_blocks", 0)),
-        }
-    )
+    counts = await _guard(control.prefetch, session_id, tenant)
+    return PrefetchResult(session_id, blocks=counts["blocks"], ram_blocks=counts["ram_blocks"])
 
 
 @router.post(
     "/{session_id}/copy",
     status_code=201,
-    response_model=SessionOut,
+    response_model=Session,
     responses=error_responses(404, 409, 422),
     openapi_extra=body_schema(SessionCopy),
 )
-async def copy_session(session_id: str, request: Request) -> JSONResponse:
+async def copy_session(session_id: SessionId, request: Request) -> Session:
     """``POST /v1/sessions/{id}/copy`` -> 201 the new session (blocks shared, not copied)."""
     control = _control(request)
     check_session_id(session_id)
     body = cast(SessionCopy, parse_body(SessionCopy, await request.body()))
     target = check_session_id(body.target_id, field="target_id")
-    info = await _call(control.copy, session_id, target, _tenant(request), overwrite=body.overwrite)
-    return _session(info, 201)
+    return await _call(control.copy, session_id, target, _tenant(request), overwrite=body.overwrite)

@@ -7,20 +7,18 @@
 
 from server.kv.control import (
     InvalidSessionId,
+    Session,
     SessionControl,
     SessionExists,
-    SessionInfo,
     SessionNotFound,
     TierUsage,
-    validate_session_id,
 )
 
 __all__ = [
     "InvalidSessionId",
+    "Session",
     "SessionControl",
     "SessionExists",
-    "SessionInfo",
     "SessionNotFound",
     "TierUsage",
-    "validate_session_id",
 ]

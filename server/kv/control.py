@@ -1,4 +1,4 @@
-"""Session control for the API process (contracts.md section 3). No torch, no vLLM at import.
+"""Session control for the API process. No torch, no vLLM at import.
 
 How the API process reaches the engine process
 -----------------------------------------------
@@ -23,20 +23,26 @@ not the API process, and that loop sleeps while it has no requests. Two channels
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from langgraph_kvcache.contract import (
+    PREFETCH_OP,
+    UNSET,
+    XARG_OP,
+    XARG_SESSION,
+    XARG_TENANT,
+    InvalidSessionId,
+    Session,
+    TierUsage,
+    Unset,
+    check_session_id,
+    check_ttl,
+)
 from server.kv.registry import Registry, SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
 from server.kv.tiers.disk import remove_block_files
-
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@|=+\-]{0,254}$")
-PREFETCH_OP = "prefetch"
-"""Value of ``extra_args["lgkv_op"]`` of the engine request that performs a prefetch."""
 
 _COUNTERS = (
     'lgkv_hit_blocks_total{tier="ram"}',
@@ -68,70 +74,16 @@ class SessionExists(ValueError):
     """The target session id is taken (HTTP 409); pass overwrite=True to replace it."""
 
 
-class InvalidSessionId(ValueError):
-    """A session id breaks the syntax of contracts.md section 1 (HTTP 400)."""
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-Unset = _Unset
-UNSET = _Unset()
-"""Marker for "leave unchanged" in :meth:`SessionControl.update`."""
-
-
-def validate_session_id(sid: str) -> str:
-    """Return ``sid`` if valid, else raise :class:`InvalidSessionId` saying what is allowed."""
-    if not isinstance(sid, str) or not SESSION_ID_RE.match(sid):
-        raise InvalidSessionId(
-            f"invalid session id {sid!r}: use 1-255 characters from A-Z a-z 0-9 . _ : @ | = + -"
-            ", starting with a letter or digit"
-        )
-    return sid
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """Blocks and bytes of a session held in one tier."""
-
-    blocks: int
-    bytes: int
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """A session as the HTTP API shows it (times are unix seconds)."""
-
-    id: str
-    tenant: str
-    num_tokens: int
-    num_blocks: int
-    turns: int
-    created_at: float
-    last_used_at: float
-    pinned: bool
-    ttl_seconds: float | None
-    expires_at: float | None
-    tiers: dict[str, TierUsage] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON body of contracts.md section 4."""
-        return {
-            "id": self.id,
-            "object": "session",
-            "tenant": self.tenant,
-            "num_tokens": self.num_tokens,
-            "num_blocks": self.num_blocks,
-            "turns": self.turns,
-            "created_at": self.created_at,
-            "last_used_at": self.last_used_at,
-            "pinned": self.pinned,
-            "ttl_seconds": self.ttl_seconds,
-            "expires_at": self.expires_at,
-            "tiers": {k: {"blocks": v.blocks, "bytes": v.bytes} for k, v in self.tiers.items()},
-        }
+__all__ = [
+    "UNSET",
+    "InvalidSessionId",
+    "Session",
+    "SessionControl",
+    "SessionExists",
+    "SessionNotFound",
+    "TierUsage",
+    "Unset",
+]
 
 
 class SessionControl:
@@ -153,16 +105,16 @@ class SessionControl:
 
     # ----------------------------------------------------------------- queries
 
-    def list(self, tenant: str, *, limit: int = 100, offset: int = 0) -> list[SessionInfo]:
+    def list(self, tenant: str, *, limit: int = 100, offset: int = 0) -> list[Session]:
         """A tenant's live sessions, most recently used first."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
         self._purge()
         return [self._info(r) for r in self.registry.list_sessions(tenant, limit, offset)]
 
-    def get(self, session_id: str, tenant: str) -> SessionInfo:
+    def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
-        validate_session_id(session_id)
+        check_session_id(session_id)
         self._purge()
         return self._info(self._row(session_id, tenant))
 
@@ -175,10 +127,10 @@ class SessionControl:
         *,
         ttl_seconds: float | None = None,
         pinned: bool = False,
-    ) -> SessionInfo:
+    ) -> Session:
         """Create an empty session; :class:`SessionExists` if the id is taken."""
-        validate_session_id(session_id)
-        _check_ttl(ttl_seconds)
+        check_session_id(session_id)
+        check_ttl(ttl_seconds)
         self._purge()
         ttl = ttl_seconds if ttl_seconds is not None else self.default_ttl_s
         if not self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned):
@@ -190,14 +142,13 @@ class SessionControl:
         session_id: str,
         tenant: str,
         *,
-        ttl_seconds: float | _Unset | None = UNSET,
+        ttl_seconds: float | Unset | None = UNSET,
         pinned: bool | None = None,
-    ) -> SessionInfo:
+    ) -> Session:
         """Change TTL (None removes it) and/or the pin."""
-        validate_session_id(session_id)
-        set_ttl = not isinstance(ttl_seconds, _Unset)
-        ttl = None if isinstance(ttl_seconds, _Unset) else ttl_seconds
-        _check_ttl(ttl)
+        check_session_id(session_id)
+        set_ttl = not isinstance(ttl_seconds, Unset)
+        ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
         self._purge()
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned
@@ -211,7 +162,7 @@ class SessionControl:
         The files of the freed blocks are unlinked before this returns; the engine drops the
         same blocks from RAM at its next step (see the module docstring).
         """
-        validate_session_id(session_id)
+        check_session_id(session_id)
         orphans = self.registry.delete_session(tenant, session_id)
         if orphans is None:
             raise SessionNotFound(f"session {session_id!r} not found")
@@ -220,10 +171,10 @@ class SessionControl:
 
     def copy(
         self, source_id: str, target_id: str, tenant: str, *, overwrite: bool = False
-    ) -> SessionInfo:
+    ) -> Session:
         """Fork a session: the target gets the source's block list (blocks are shared)."""
-        validate_session_id(source_id)
-        validate_session_id(target_id)
+        check_session_id(source_id)
+        check_session_id(target_id)
         self._purge()
         if source_id == target_id:
             raise SessionExists(f"session {target_id!r} is the source itself")
@@ -238,7 +189,7 @@ class SessionControl:
 
     async def prefetch(self, session_id: str, tenant: str) -> dict[str, int]:
         """Move the session's blocks disk -> RAM in the engine now; return block counts."""
-        validate_session_id(session_id)
+        check_session_id(session_id)
         self._purge()
         row = self._row(session_id, tenant)
         self.registry.mark_managed(tenant, session_id)
@@ -249,7 +200,7 @@ class SessionControl:
                 max_tokens=1,
                 temperature=0.0,
                 detokenize=False,
-                extra_args={"lgkv_op": PREFETCH_OP, "session_id": session_id, "tenant": tenant},
+                extra_args={XARG_OP: PREFETCH_OP, XARG_SESSION: session_id, XARG_TENANT: tenant},
             )
             generate = self.engine_client.generate  # type: ignore[attr-defined]
             request_id = f"lgkv-prefetch-{uuid.uuid4().hex}"
@@ -278,9 +229,9 @@ class SessionControl:
             raise SessionNotFound(f"session {session_id!r} not found")
         return row
 
-    def _info(self, row: SessionRow) -> SessionInfo:
+    def _info(self, row: SessionRow) -> Session:
         usage: dict[str, TierCount] = self.registry.tier_usage(row.tenant, row.id)
-        return SessionInfo(
+        return Session(
             id=row.id,
             tenant=row.tenant,
             num_tokens=row.num_tokens,
@@ -302,7 +253,3 @@ class SessionControl:
             remove_block_files(self.disk_dir, keys)
             self.registry.add_drops(keys)
 
-
-def _check_ttl(ttl: float | None) -> None:
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
-        raise ValueError("ttl_seconds must be a number > 0 or null")

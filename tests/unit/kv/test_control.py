@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from langgraph_kvcache.contract import check_session_id
 from server.kv.control import (
     InvalidSessionId,
     SessionControl,
     SessionExists,
     SessionNotFound,
-    validate_session_id,
 )
 from server.kv.registry import Registry
 from server.kv.tiers.disk import DiskStore, Manifest
@@ -40,10 +40,10 @@ def _keys(*names: str) -> list[str]:
 
 
 def test_session_id_syntax() -> None:
-    assert validate_session_id("thread-1:ns|a@b") == "thread-1:ns|a@b"
+    assert check_session_id("thread-1:ns|a@b") == "thread-1:ns|a@b"
     for bad in ["", "-x", "a/b", "../etc", "x" * 256, "a b"]:
         with pytest.raises(InvalidSessionId):
-            validate_session_id(bad)
+            check_session_id(bad)
 
 
 def test_create_get_update_list(control: SessionControl) -> None:
