@@ -29,11 +29,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.kv.metadata import StepPlan, WorkerReport
+from server.kv.recovery import DiskSpace, check_budgets, forget_unregistered_files
 from server.kv.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
-from server.kv.tiers.disk import DiskStore, Manifest
+from server.kv.tiers.disk import DiskStore, Manifest, block_file_bytes
 from server.kv.tiers.redis import RedisStore
+from server.kv.usage import LoadAccounting
+from server.kv.weights import weights_fingerprint
 from server.kv.worker import SessionKVWorker
+from server.logs import use_vllm_logging
 
 if TYPE_CHECKING:
     import torch
@@ -82,12 +86,23 @@ def build_manifest(
     seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
     return Manifest(
         model_id=settings.model_id or str(vllm_config.model_config.model),
+        weights=weights_fingerprint(
+            str(vllm_config.model_config.model), vllm_config.model_config.revision
+        ),
         dtype=str(spec.dtype),
         block_size=int(spec.block_size),
         layers=layers,
         layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
         hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
     )
+
+
+def _files_at_start(store: DiskStore | None, settings: ConnectorSettings) -> dict[str, int]:
+    """The sound block files the disk tier starts with (damaged ones deleted, and all of them
+    when the session registry vanished: no session could reach or delete them)."""
+    if store is None:
+        return {}
+    return forget_unregistered_files(store, store.scan(), settings.registry_path)
 
 
 class SessionKVConnector(KVConnectorBase_V1):
@@ -99,6 +114,7 @@ class SessionKVConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        use_vllm_logging()  # this may be a fresh engine process: our lines in vLLM's format
         if vllm_config.parallel_config.world_size != 1:
             raise ValueError("SessionKVConnector supports tensor/pipeline parallel size 1 only")
         self.settings = ConnectorSettings.from_extra_config(
@@ -113,9 +129,14 @@ class SessionKVConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         manifest = build_manifest(vllm_config, kv_cache_config, self.settings)
         self._num_blocks = kv_cache_config.num_blocks
-        store = (
-            DiskStore(self.settings.disk_dir, manifest) if self.settings.disk_bytes > 0 else None
+        disk_on = check_budgets(
+            self.settings.ram_bytes,
+            self.settings.disk_bytes,
+            manifest.block_bytes,
+            block_file_bytes(manifest),
+            warn=role == KVConnectorRole.SCHEDULER,
         )
+        store = DiskStore(self.settings.disk_dir, manifest) if disk_on else None
         redis = (
             RedisStore(self.settings.redis_url, manifest, ttl_s=self.settings.redis_ttl_s)
             if self.settings.redis_url
@@ -130,7 +151,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 block_size=manifest.block_size,
                 block_bytes=manifest.block_bytes,
                 file_bytes=store.file_bytes if store else manifest.block_bytes,
-                disk_files=store.scan() if store else {},
+                disk_files=_files_at_start(store, self.settings),
                 redis=redis,
             )
             log.info(
@@ -148,6 +169,11 @@ class SessionKVConnector(KVConnectorBase_V1):
                 store=store,
                 redis=redis,
             )
+        self._usage = LoadAccounting(manifest.block_size)
+        self._disk_space: DiskSpace | None = None
+        if self.scheduler is not None and store is not None:
+            self._disk_space = DiskSpace(store.root, self.settings.disk_bytes, store.file_bytes)
+            self._disk_space.fit_at_start(self.scheduler.index)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -220,6 +246,7 @@ class SessionKVConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         self.scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+        self._usage.on_alloc(request, list(block_ids), num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -251,12 +278,21 @@ class SessionKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, SessionKVWorkerMetadata) else WorkerReport()
         self.scheduler.on_report(report)
+        # cached_tokens counts only the blocks before a failed load (vLLM recomputes the rest)
+        self._usage.on_output(
+            connector_output.invalid_block_ids or (), connector_output.finished_recving or ()
+        )
+        if self._disk_space is not None:
+            if report.write_failed:
+                self._disk_space.on_write_failed(self.scheduler.index)
+            self._disk_space.maybe_regrow(self.scheduler.index)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self.scheduler.request_finished(request)
+        self._usage.forget(request.request_id)
         return False, None
 
     def has_pending_push_work(self) -> bool:

@@ -2,7 +2,7 @@
 
 Layout under ``disk_dir``::
 
-    <fingerprint>/manifest.json          model, dtype, block size, layer layout, hash scheme
+    <fingerprint>/manifest.json          model, weights, dtype, block size, layers, hash scheme
     <fingerprint>/ab/cd/<key>.kvb        header + raw block bytes
 
 The fingerprint is a hash of the manifest, so a restart with the same model reuses the files
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import struct
 import zlib
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from server.kv.keys import block_path, check_key, key_from_path
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
 _MAGIC = b"LGKVBLK\x01"
@@ -53,6 +56,9 @@ class Manifest:
     """Bytes of one block of each layer."""
     hash_scheme: str
     """vLLM's prefix hash algorithm and the hex of its NONE_HASH seed block."""
+    weights: str = ""
+    """Fingerprint of the weight files (:func:`server.kv.weights.weights_fingerprint`): other
+    weights in the same folder, with the same config, never reuse these blocks."""
 
     @property
     def block_bytes(self) -> int:
@@ -72,16 +78,18 @@ class DiskStore:
         self.manifest = manifest
         self.root = Path(disk_dir) / manifest.fingerprint()
         self.root.mkdir(parents=True, exist_ok=True)
-        target = self.root / MANIFEST_FILE
-        if not target.exists():
-            tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{MANIFEST_FILE}"
-            tmp.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
-            os.replace(tmp, target)
+        if not (self.root / MANIFEST_FILE).exists():
+            self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{MANIFEST_FILE}"
+        tmp.write_text(json.dumps(asdict(self.manifest), indent=2, sort_keys=True))
+        os.replace(tmp, self.root / MANIFEST_FILE)
 
     @property
     def file_bytes(self) -> int:
         """Size on disk of one block file (header + payload), counted against the budget."""
-        return _HEAD.size + 64 + self.manifest.block_bytes
+        return block_file_bytes(self.manifest)
 
     def path(self, key: str) -> Path:
         """The file of a block key."""
@@ -100,7 +108,7 @@ class DiskStore:
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{key}"
         head = block_header(key, data)
         try:
-            with open(tmp, "wb") as f:
+            with _create(tmp) as f:
                 f.write(head)
                 f.write(data)
                 f.flush()
@@ -137,27 +145,92 @@ class DiskStore:
 
     def remove(self, key: str) -> bool:
         """Delete a block's file; False if it was not there."""
+        path = self.path(key)
         try:
-            self.path(key).unlink()
+            path.unlink()
         except FileNotFoundError:
             return False
+        for folder in (path.parent, path.parent.parent):  # empty fan-out folders go too
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         return True
 
     def scan(self) -> dict[str, int]:
-        """Key -> file size of every block file (left-over temp files are deleted)."""
+        """Key -> size of every sound block file; the scheduler side calls it once at start.
+
+        Recovers what crashes and damage left, with one warning per recovery naming the file:
+        temp files of interrupted writes are deleted (quietly: a crash mid-write is normal);
+        a manifest that is unreadable or names another layout means no file beside it can be
+        trusted, so they are deleted and the manifest is rewritten; a block file of the wrong
+        size (truncated) is deleted; empty fan-out folders are removed.
+        """
+        trusted = self._manifest_ok()
         found: dict[str, int] = {}
-        for dirpath, _dirs, files in os.walk(self.root):
+        untrusted = 0
+        for dirpath, _dirs, files in os.walk(self.root, topdown=False):
+            here = Path(dirpath)
             for name in files:
-                path = Path(dirpath) / name
-                if name.startswith(_TMP_PREFIX):
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-                    continue
+                path = here / name
                 key = key_from_path(path)
-                if key is not None:
-                    with contextlib.suppress(OSError):
-                        found[key] = path.stat().st_size
+                if not name.startswith(_TMP_PREFIX) and key is None:
+                    continue  # the manifest, or a file that is not ours
+                try:
+                    size = path.stat().st_size
+                    if key is not None and trusted and size == self.file_bytes:
+                        found[key] = size
+                        continue
+                    path.unlink()
+                except OSError:
+                    continue
+                if key is not None and trusted:
+                    log.warning(
+                        "KV block file %s is %d bytes, expected %d (truncated or damaged): "
+                        "deleted; its tokens are recomputed",
+                        path,
+                        size,
+                        self.file_bytes,
+                    )
+                untrusted += key is not None and not trusted
+            if here != self.root:
+                with contextlib.suppress(OSError):
+                    here.rmdir()  # only when empty
+        if not trusted:
+            self._write_manifest()
+            log.warning(
+                "KV manifest %s is unreadable or names another layout: the %d block files "
+                "beside it were deleted and the manifest rewritten",
+                self.root / MANIFEST_FILE,
+                untrusted,
+            )
         return found
+
+    def _manifest_ok(self) -> bool:
+        """True when ``manifest.json`` describes this store's layout."""
+        try:
+            data = json.loads((self.root / MANIFEST_FILE).read_text())
+            return Manifest(**data).fingerprint() == self.manifest.fingerprint()
+        except FileNotFoundError:
+            self._write_manifest()  # deleted: the folder's name is the layout's fingerprint
+            return True
+        except (OSError, ValueError, TypeError):
+            return False
+
+
+def block_file_bytes(manifest: Manifest) -> int:
+    """Size on disk of one block file of ``manifest`` (header + key + payload)."""
+    return _HEAD.size + 64 + manifest.block_bytes
+
+
+def _create(path: Path):  # type: ignore[no-untyped-def]
+    """Open a new file for writing, re-creating its folder if a concurrent removal of the
+    last file beside it took the folder away."""
+    try:
+        return open(path, "wb")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "wb")
 
 
 def block_header(key: str, data: memoryview) -> bytes:
