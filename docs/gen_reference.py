@@ -22,14 +22,6 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 
-# Fields whose flag is not "--" + the field name with dashes.
-_FLAGS = {
-    "api_keys": "--api-key",
-    "kv_offload": "--no-kv-offload",
-    "vllm_args": "any other vLLM flag",
-}
-
-
 def _field_docs() -> dict[str, str]:
     """Attribute docstrings of ServerConfig, read from the source."""
     tree = ast.parse((ROOT / "server" / "config.py").read_text())
@@ -49,16 +41,6 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
-def _env_vars() -> dict[str, str]:
-    """Flag -> LGKV_* variable, from the table in server.config's module docstring."""
-    import server.config as config
-
-    out = {}
-    for env, flag in re.findall(r"``(LGKV_[A-Z_]+)``.*?\(``(--[a-z-]+)``\)", config.__doc__ or ""):
-        out[flag] = env
-    return out
-
-
 def _default(field: dataclasses.Field) -> str:  # type: ignore[type-arg]
     if field.default is not dataclasses.MISSING:
         value = field.default
@@ -73,7 +55,10 @@ def _default(field: dataclasses.Field) -> str:  # type: ignore[type-arg]
 def configuration_page() -> str:
     from server.config import ServerConfig
 
-    docs, envs = _field_docs(), _env_vars()
+    docs = _field_docs()
+    from server.config import connector_defaults
+
+    connector_keys = sorted(connector_defaults())
     lines = [
         "# Configuration",
         "",
@@ -90,8 +75,9 @@ def configuration_page() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for f in dataclasses.fields(ServerConfig):
-        flag = _FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
-        env = envs.get(flag, "")
+        meta = f.metadata["setting"]
+        flag = meta.flag or "any other vLLM flag"
+        env = meta.env or ""
         doc = docs.get(f.name, "").replace("|", "\\|")
         lines.append(
             f"| `{f.name}` | `{flag}` | {f'`{env}`' if env else ''} | {_default(f)} | {doc} |"
@@ -99,8 +85,9 @@ def configuration_page() -> str:
     lines += [
         "",
         "The connector reads its own settings from vLLM's `kv_connector_extra_config`, which",
-        "the server fills from the table above (`cache_dir`, `disk_dir`, `ram_bytes`,",
-        "`disk_bytes`, `redis_url`, `default_ttl_s`, `model_id`).",
+        "the server fills from the table above: " + ", ".join(f"`{k}`" for k in connector_keys)
+        + ". A key missing there takes the default of this table, so the connector behaves",
+        "the same when plain vLLM loads it (see docs/operations.md, \"Plain vllm serve\").",
         "",
         "The client side reads `LGKV_SERVER_URL` (server root, default",
         "`http://127.0.0.1:8000`) and `LGKV_API_KEY` in `ChatKVCache`.",

@@ -1,32 +1,14 @@
 """Typed settings of the bundled server, from flags, environment variables or code.
 
-Every field of :class:`ServerConfig` has a flag (``--kv-ram-bytes``) and an environment variable
-(``LGKV_KV_RAM_BYTES``); a flag beats the variable, the variable beats the default. Flags of vLLM
-that this module does not name (``--tensor-parallel-size``, ``--enable-chunked-prefill``, ...)
-travel unchanged in :attr:`ServerConfig.vllm_args`.
-
-Environment variables (all optional):
-
-========================== ===================================================
-``LGKV_MODEL``             model folder or hub id (``--model``)
-``LGKV_SERVED_MODEL_NAME`` name clients use (``--served-model-name``)
-``LGKV_DTYPE``             ``auto``, ``float32``, ``bfloat16``... (``--dtype``)
-``LGKV_MAX_MODEL_LEN``     context length (``--max-model-len``)
-``LGKV_HOST``              bind address (``--host``)
-``LGKV_PORT``              port (``--port``)
-``LGKV_API_KEY``           bearer key; comma-separated for several (``--api-key``)
-``LGKV_METRICS_PUBLIC``    ``1``: ``/metrics`` needs no key (``--metrics-public``)
-``LGKV_KV_CACHE_MEMORY_BYTES`` resident (paged) KV budget (``--kv-cache-memory-bytes``)
-``LGKV_KV_RAM_BYTES``      RAM tier budget (``--kv-ram-bytes``)
-``LGKV_KV_DISK_DIR``       block files folder (``--kv-disk-dir``)
-``LGKV_KV_DISK_BYTES``     disk tier budget, 0 turns it off (``--kv-disk-bytes``)
-``LGKV_NO_KV_OFFLOAD``     ``1`` runs plain vLLM prefix caching (``--no-kv-offload``)
-``LGKV_KV_SESSION_TTL``    default session TTL in seconds (``--kv-session-ttl``)
-``LGKV_KV_REDIS_URL``      shared Redis tier (``--kv-redis-url``)
-``LGKV_KV_OFFLOAD_DTYPE``  block format in the tiers, e.g. ``int8`` (``--kv-offload-dtype``)
-``LGKV_CACHE_DIR``         project cache root; sessions default to ``<root>/kv`` (``--cache-dir``)
-``LGKV_MAX_BODY_BYTES``    largest accepted request body (``--max-body-bytes``)
-========================== ===================================================
+Every field of :class:`ServerConfig` is declared once, with its :class:`server.options.Setting`
+(flag, ``LGKV_*`` variable, parser, help, connector key). From that one table come the
+environment (:func:`env_settings`), our command-line flags (:func:`add_flags`,
+:func:`flag_values`), ``--help``, ``docs/configuration.md`` and the dict that crosses to the KV
+connector (:func:`connector_extra_config`); the connector takes its defaults from here too
+(:func:`connector_defaults`), so ``vllm serve --kv-transfer-config ...`` with our connector
+behaves like ``python -m server``. A flag beats the variable, the variable beats the default.
+Flags of vLLM that the table does not name (``--tensor-parallel-size``,
+``--enable-chunked-prefill``, ...) travel unchanged in :attr:`ServerConfig.vllm_args`.
 
 Sizes accept plain bytes or units: ``512MiB``, ``2GiB``, ``1.5GB``, ``64M`` (binary for the
 ``i`` forms and single letters, decimal for ``kB/MB/GB/TB``).
@@ -34,11 +16,41 @@ Sizes accept plain bytes or units: ``512MiB``, ``2GiB``, ``1.5GB``, ``64M`` (bin
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from server.options import (
+    ConfigError,
+    Setting,
+    parse_bool,
+    parse_int,
+    parse_keys,
+    parse_lower,
+    parse_path,
+    parse_seconds,
+    parse_size,
+    setting,
+)
+
+__all__ = [
+    "KV_OFFLOAD_DTYPES",
+    "ConfigError",
+    "ServerConfig",
+    "add_flags",
+    "connector_defaults",
+    "connector_extra_config",
+    "env_settings",
+    "flag_values",
+    "parse_bool",
+    "parse_seconds",
+    "parse_size",
+    "settings_table",
+]
 
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
@@ -48,75 +60,6 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 KV_OFFLOAD_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
 """Accepted ``--kv-offload-dtype`` values (``server.kv.codec`` implements them)."""
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the flag/variable and the accepted form."""
-
-
-def parse_size(value: str | int, *, name: str = "size") -> int:
-    """Parse a byte count such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` or ``4096``.
-
-    Raises:
-        ConfigError: the text is not a non-negative number with a known unit.
-    """
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
-        return value
-    m = _SIZE.match(str(value))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise ConfigError(
-            f"{name}: cannot read {value!r} as a size; use bytes or a unit, e.g. 512MiB, 2GiB, 1GB"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def parse_bool(value: str, *, name: str) -> bool:
-    """Parse ``1/0, true/false, yes/no, on/off`` (case-insensitive)."""
-    low = value.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {value!r}")
-
-
-def parse_seconds(value: str | float | None, *, name: str) -> float | None:
-    """Parse a positive number of seconds; ``None``, ``""``, ``0`` and ``none`` mean no TTL."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value.strip().lower() in ("", "none", "null", "0"):
-            return None
-        try:
-            value = float(value)
-        except ValueError as exc:
-            raise ConfigError(f"{name}: expected seconds as a number, got {value!r}") from exc
-    if value < 0:
-        raise ConfigError(f"{name}: seconds must be >= 0, got {value}")
-    return float(value) or None
 
 
 def _default_cache_dir() -> Path:
@@ -129,81 +72,133 @@ def _default_cache_dir() -> Path:
 class ServerConfig:
     """Everything the bundled server needs; build with :meth:`from_env` or directly in code."""
 
-    model: str | None = None
+    model: str | None = setting(
+        None, flag="--model", env="LGKV_MODEL", vllm=True, help="model folder or hub id"
+    )
     """Model folder or hub id. ``None`` serves the default SmolLM2 folder
     (``server.model.default_model_dir()``, built by ``make setup`` / ``python -m server.model``)."""
 
-    served_model_name: str | None = None
+    served_model_name: str | None = setting(
+        None, flag="--served-model-name", env="LGKV_SERVED_MODEL_NAME", vllm=True,
+        help="name clients use",
+    )  # fmt: skip
     """The name clients send as ``model``. ``None``: ``SmolLM2-135M-Instruct`` for the default
     model, else the ``model`` string (vLLM's default)."""
 
-    dtype: str = "auto"
+    dtype: str = setting("auto", flag="--dtype", env="LGKV_DTYPE", vllm=True, help="dtype")
     """Weights/activations dtype. ``auto`` means float32 on CPU (bfloat16 garbles SmolLM2 there)
     and vLLM's own choice on GPUs."""
 
-    max_model_len: int | None = None
+    max_model_len: int | None = setting(
+        None, flag="--max-model-len", env="LGKV_MAX_MODEL_LEN", parse=parse_int, vllm=True,
+        help="context length",
+    )  # fmt: skip
     """Context length in tokens; ``None`` takes the model's own. Longer prompts get HTTP 400."""
 
-    host: str = DEFAULT_HOST
+    host: str = setting(DEFAULT_HOST, flag="--host", env="LGKV_HOST", vllm=True, help="bind")
     """Address to bind. ``0.0.0.0`` to serve other machines."""
 
-    port: int = DEFAULT_PORT
+    port: int = setting(
+        DEFAULT_PORT, flag="--port", env="LGKV_PORT", parse=parse_int, vllm=True, help="port"
+    )
     """TCP port (0 is not allowed: clients must know it)."""
 
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = setting(
+        (), flag="--api-key", env="LGKV_API_KEY", parse=parse_keys, many=True, vllm=True,
+        help="bearer keys (comma-separated in the variable)",
+    )  # fmt: skip
     """Bearer keys. Empty: no auth and one tenant ``default``. With keys, every route but
     ``/health`` needs one (401 before the body is read); each key is its own tenant (sessions
     and KV blocks are never shared between keys)."""
 
-    metrics_public: bool = False
+    metrics_public: bool = setting(
+        False, flag="--metrics-public", env="LGKV_METRICS_PUBLIC", parse=parse_bool, switch=True,
+        help="serve /metrics without an API key even when --api-key is set",
+    )  # fmt: skip
     """Serve ``/metrics`` without a key even when keys are set (for a Prometheus scraper that
     sends none). Off: ``/metrics`` needs a key, since it shows every tenant's aggregate
     traffic."""
 
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = setting(
+        None, flag="--kv-cache-memory-bytes", env="LGKV_KV_CACHE_MEMORY_BYTES", parse=parse_size,
+        vllm=True, size=True, help="resident KV cache budget",
+    )  # fmt: skip
     """Resident (paged, on-device) KV cache budget. ``None``: vLLM sizes it itself."""
 
-    kv_offload: bool = True
+    kv_offload: bool = setting(
+        True, flag="--no-kv-offload", env="LGKV_NO_KV_OFFLOAD", parse=parse_bool, switch=True,
+        negated=True,
+        help="plain vLLM prefix caching, no session connector (session API answers 503)",
+    )  # fmt: skip
     """Keep sessions' KV in RAM/disk tiers via ``SessionKVConnector``. ``False`` runs plain vLLM
     prefix caching; the session API then answers 503."""
 
-    kv_ram_bytes: int = DEFAULT_KV_RAM_BYTES
+    kv_ram_bytes: int = setting(
+        DEFAULT_KV_RAM_BYTES, flag="--kv-ram-bytes", env="LGKV_KV_RAM_BYTES", parse=parse_size,
+        connector="ram_bytes", size=True, help="RAM tier budget (e.g. 2GiB)",
+    )  # fmt: skip
     """RAM tier budget in bytes."""
 
-    kv_disk_dir: Path | None = None
+    kv_disk_dir: Path | None = setting(  # noqa: RUF009 (a field declaration)
+        None, flag="--kv-disk-dir", env="LGKV_KV_DISK_DIR", parse=parse_path,
+        help="block files folder (<cache-dir>/blocks)",
+    )  # fmt: skip
     """Folder of block files; ``None``: ``<cache_dir>/blocks``."""
 
-    kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
+    kv_disk_bytes: int = setting(
+        DEFAULT_KV_DISK_BYTES, flag="--kv-disk-bytes", env="LGKV_KV_DISK_BYTES", parse=parse_size,
+        connector="disk_bytes", size=True, help="disk tier budget; 0 turns it off",
+    )  # fmt: skip
     """Disk tier budget in bytes; 0 turns the disk tier off."""
 
-    kv_session_ttl: float | None = None
+    kv_session_ttl: float | None = setting(
+        None, flag="--kv-session-ttl", env="LGKV_KV_SESSION_TTL", parse=parse_seconds,
+        connector="default_ttl_s", help="default session TTL in seconds",
+    )  # fmt: skip
     """Default TTL in seconds of sessions that set none; ``None`` keeps them until deleted."""
 
-    kv_redis_url: str | None = None
+    kv_redis_url: str | None = setting(
+        None, flag="--kv-redis-url", env="LGKV_KV_REDIS_URL", connector="redis_url",
+        help="shared Redis tier, redis://host:6379/0",
+    )  # fmt: skip
     """``redis://host:port/db`` of a shared Redis tier (replicas share KV); ``None``: off."""
 
-    kv_offload_dtype: str = "auto"
+    kv_offload_dtype: str = setting(
+        "auto", flag="--kv-offload-dtype", env="LGKV_KV_OFFLOAD_DTYPE", parse=parse_lower,
+        connector="offload_dtype", choices=KV_OFFLOAD_DTYPES,
+        help="format of KV blocks in the tiers (auto: the engine's dtype, exact)",
+    )  # fmt: skip
     """Format of KV blocks in the RAM, disk and Redis tiers. ``auto``: the engine's dtype,
     exact. ``float16``/``bfloat16``: half the bytes of float32. ``int8``: a quarter, with
     per-block per-head scales. ``fp8``: float8 e4m3 with the same scales (where torch has it).
     Budgets count the stored bytes, so a smaller format keeps more sessions; measured cost and
     quality in docs/operations.md."""
 
-    cache_dir: Path = field(default_factory=_default_cache_dir)
+    cache_dir: Path = setting(  # noqa: RUF009 (a field declaration)
+        default_factory=_default_cache_dir, flag="--cache-dir", env="LGKV_CACHE_DIR",
+        parse=parse_path, help="session registry + blocks folder",
+    )  # fmt: skip
     """Folder of the session registry (``sessions.sqlite3``) and, by default, block files.
     Restarting on the same folder keeps every session."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES, flag="--max-body-bytes", env="LGKV_MAX_BODY_BYTES",
+        parse=parse_size, size=True, help="largest request body",
+    )  # fmt: skip
     """Largest request body accepted; larger ones get HTTP 413."""
 
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = setting(
+        None, flag="--enforce-eager", switch=True, vllm=True, help="no CUDA graphs / compile"
+    )
     """Skip CUDA graphs / torch.compile. ``None``: on for CPU (fast start), vLLM's default else."""
 
-    tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER
+    tool_call_parser: str | None = setting(
+        DEFAULT_TOOL_CALL_PARSER, flag="--tool-call-parser", vllm=True, help="tool parser"
+    )
     """vLLM tool parser for ``tool_choice="auto"`` (hermes-style ``<tool_call>{json}</tool_call>``);
     ``None`` turns automatic tool calls off."""
 
-    vllm_args: tuple[str, ...] = ()
+    vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")
     """Further vLLM engine/frontend flags, passed through unchanged
     (e.g. ``("--tensor-parallel-size", "2")``)."""
 
@@ -234,59 +229,107 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
-        """Settings from ``LGKV_*`` variables (see the module doc), then ``overrides``."""
+        """Settings from ``LGKV_*`` variables (docs/configuration.md), then ``overrides``."""
         values = env_settings(os.environ if env is None else env)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
 
+def settings_table() -> Iterator[tuple[str, Setting]]:
+    """``(field name, Setting)`` of every :class:`ServerConfig` field, in declaration order."""
+    for f in dataclasses.fields(ServerConfig):
+        yield f.name, f.metadata["setting"]
+
+
 def env_settings(env: Mapping[str, str]) -> dict[str, object]:
-    """The :class:`ServerConfig` fields set by ``LGKV_*`` variables in ``env``, parsed."""
+    """The :class:`ServerConfig` fields set by ``LGKV_*`` variables in ``env``, parsed.
+
+    An empty variable counts as unset.
+    """
     out: dict[str, object] = {}
-
-    def get(name: str) -> str | None:
-        value = env.get(name)
-        return value if value not in (None, "") else None
-
-    if (v := get("LGKV_MODEL")) is not None:
-        out["model"] = v
-    if (v := get("LGKV_SERVED_MODEL_NAME")) is not None:
-        out["served_model_name"] = v
-    if (v := get("LGKV_DTYPE")) is not None:
-        out["dtype"] = v
-    if (v := get("LGKV_MAX_MODEL_LEN")) is not None:
-        out["max_model_len"] = _int(v, "LGKV_MAX_MODEL_LEN")
-    if (v := get("LGKV_HOST")) is not None:
-        out["host"] = v
-    if (v := get("LGKV_PORT")) is not None:
-        out["port"] = _int(v, "LGKV_PORT")
-    if (v := get("LGKV_API_KEY")) is not None:
-        out["api_keys"] = tuple(k.strip() for k in v.split(",") if k.strip())
-    if (v := get("LGKV_METRICS_PUBLIC")) is not None:
-        out["metrics_public"] = parse_bool(v, name="LGKV_METRICS_PUBLIC")
-    if (v := get("LGKV_KV_CACHE_MEMORY_BYTES")) is not None:
-        out["kv_cache_memory_bytes"] = parse_size(v, name="LGKV_KV_CACHE_MEMORY_BYTES")
-    if (v := get("LGKV_KV_RAM_BYTES")) is not None:
-        out["kv_ram_bytes"] = parse_size(v, name="LGKV_KV_RAM_BYTES")
-    if (v := get("LGKV_KV_DISK_DIR")) is not None:
-        out["kv_disk_dir"] = Path(v)
-    if (v := get("LGKV_KV_DISK_BYTES")) is not None:
-        out["kv_disk_bytes"] = parse_size(v, name="LGKV_KV_DISK_BYTES")
-    if (v := get("LGKV_NO_KV_OFFLOAD")) is not None:
-        out["kv_offload"] = not parse_bool(v, name="LGKV_NO_KV_OFFLOAD")
-    if (v := get("LGKV_KV_SESSION_TTL")) is not None:
-        out["kv_session_ttl"] = parse_seconds(v, name="LGKV_KV_SESSION_TTL")
-    if (v := get("LGKV_KV_REDIS_URL")) is not None:
-        out["kv_redis_url"] = v
-    if (v := get("LGKV_KV_OFFLOAD_DTYPE")) is not None:
-        out["kv_offload_dtype"] = v.strip().lower()
-    if (v := get("LGKV_MAX_BODY_BYTES")) is not None:
-        out["max_body_bytes"] = parse_size(v, name="LGKV_MAX_BODY_BYTES")
+    for name, s in settings_table():
+        raw = env.get(s.env) if s.env else None
+        if raw in (None, ""):
+            continue
+        value = s.parse(raw, name=s.env)
+        out[name] = not value if s.negated else value
     return out
 
 
-def _int(value: str, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: expected an integer, got {value!r}") from exc
+def add_flags(parser: argparse.ArgumentParser, *, include_vllm: bool) -> None:
+    """Add the table's flags to ``parser``: all of them, or only those vLLM lacks (a group).
+
+    Each flag's value lands in the namespace under its field name (see :func:`flag_values`).
+    """
+    target: Any = parser
+    if not include_vllm:
+        target = parser.add_argument_group(
+            "LangGraphKVCache",
+            "The session KV cache (RAM + disk tiers). Each flag also reads an LGKV_* variable.",
+        )
+    for name, s in settings_table():
+        if s.flag is None or (s.vllm and not include_vllm):
+            continue
+        if s.switch:
+            target.add_argument(s.flag, dest=name, action="store_true", default=None, help=s.help)
+        elif s.many:
+            target.add_argument(s.flag, dest=name, nargs="+", help=s.help)
+        else:
+            target.add_argument(
+                s.flag, dest=name, type=_argtype(s), choices=s.choices, help=s.help
+            )
+
+
+def _argtype(s: Setting) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text, name=s.flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parse.__name__ = s.flag or "value"
+    return parse
+
+
+def flag_values(ns: argparse.Namespace) -> dict[str, object]:
+    """The fields given on the command line (parsed by a parser built with :func:`add_flags`)."""
+    out: dict[str, object] = {}
+    for name, s in settings_table():
+        value = getattr(ns, name, None)
+        if s.flag is None or value is None:
+            continue
+        if s.switch:
+            if value:
+                out[name] = not s.negated
+        elif s.many:
+            out[name] = tuple(value)
+        else:
+            out[name] = value
+    return out
+
+
+def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` dict: the table's connector fields, plus the
+    effective folders and the model id. Plain JSON (it travels to the engine process)."""
+    out: dict[str, Any] = {
+        "cache_dir": str(config.cache_dir),
+        "disk_dir": str(config.disk_dir),
+        "model_id": model_id,
+    }
+    for name, s in settings_table():
+        if s.connector is not None:
+            out[s.connector] = _wire(getattr(config, name))
+    return out
+
+
+def connector_defaults() -> dict[str, Any]:
+    """What the connector assumes for a key its ``kv_connector_extra_config`` lacks: the same
+    defaults as ``python -m server`` (used when vLLM loads the connector by itself)."""
+    defaults = ServerConfig()
+    out = connector_extra_config(defaults, model_id="")
+    out["disk_dir"] = None  # follows cache_dir when only that is given
+    return out
+
+
+def _wire(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value

@@ -17,9 +17,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from server.config import ConfigError, ServerConfig
+from server.config import ConfigError, ServerConfig, connector_extra_config
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
@@ -83,20 +83,6 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` dict of contracts.md section 2."""
-    return {
-        "cache_dir": str(config.cache_dir),
-        "disk_dir": str(config.disk_dir),
-        "ram_bytes": config.kv_ram_bytes,
-        "disk_bytes": config.kv_disk_bytes,
-        "redis_url": config.kv_redis_url,
-        "default_ttl_s": config.kv_session_ttl,
-        "model_id": model_id,
-        "offload_dtype": config.kv_offload_dtype,
-    }
 
 
 def vllm_argv(config: ServerConfig) -> list[str]:
