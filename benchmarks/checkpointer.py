@@ -1,29 +1,31 @@
 """Checkpointer benchmark: SQLAlchemySaver against SqliteSaver and PostgresSaver.
 
-A 200-step thread whose message list grows by one message each step (plus a retrieved-context
-channel written once and a step counter), the shape of an agent conversation. For each saver,
-on fresh databases (a new SQLite file; a new PostgreSQL database on the same server), it
-measures:
+Threads of 200 and 1000 steps whose message list grows by one 60-word message each step (plus
+a retrieved-context channel written once and a step counter), the shape of an agent
+conversation. For each length and each saver, on fresh databases (a new SQLite file; a new
+PostgreSQL database on the same server), it measures:
 
-- ``put``: checkpoints saved per second (each step's checkpoint with its new channel versions);
-- ``put_writes``: ``put_writes`` calls per second (one pending write per step);
+- ``invoke``: steps per second of what a graph step writes: ``put`` of the step's checkpoint
+  with its new channel versions, then ``put_writes`` of one pending write;
 - ``get_tuple``: loads per second of every checkpoint of the thread by id (time travel) and of
   the latest one (``get_tuple`` without id, what every run starts with);
 - ``list``: checkpoint tuples per second when listing the whole thread;
-- size: bytes of the savers' tables (SQLite file after a WAL checkpoint; PostgreSQL
-  ``pg_total_relation_size`` of the tables).
+- size: bytes of the savers' tables after one thread (SQLite file after a WAL checkpoint;
+  PostgreSQL ``pg_total_relation_size`` of the tables), and bytes per step over the first and
+  the last 100 steps (flat when storage grows linearly with the thread).
 
 It prints a table with ratios ours/peer (throughput: higher is better; size: lower is better).
 Both savers run in lockstep, call by call, alternating which goes first, and each rate is taken
-at the operation's median call time, so load from other processes hits both alike.
+at the operation's median call time, so load from other processes hits both alike. Our reads
+go through a second SQLAlchemySaver opened after the writes, so they start with nothing in
+memory, as another process would.
 
-Reading the figures: SQLite writes are bound by the WAL fsync of each commit (one per ``put``
-and per ``put_writes`` for both savers, ``synchronous=FULL``), so they track the disk; reads are
-bound by deserializing the growing message list, identical work for both. What differs is a
-constant per-call cost: a pooled connection and a one-statement query joining checkpoint, blobs
-and writes for SQLAlchemySaver, against one shared ``sqlite3`` connection for SqliteSaver.
+Reading the figures: a plain saver stores the whole message list again at every step, so its
+size grows with the square of the thread and its ``put`` writes ever more bytes; ours stores
+each message once (``langgraph_kvcache/checkpoint/lists.py``). Reads are bound by
+deserializing the message list, the same work for both.
 
-Run: ``python benchmarks/checkpointer.py [--steps 200] [--repeat 3] [--no-postgres]``.
+Run: ``python benchmarks/checkpointer.py [--steps 200 1000] [--repeat 2] [--no-postgres]``.
 """
 
 from __future__ import annotations
@@ -51,10 +53,14 @@ TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes", "writes")
 CONTEXT = {"documents": [f"retrieved passage {i}: " + "lorem ipsum " * 60 for i in range(8)]}
 
 
-LIST_CALLS = 10
-"""Whole-thread ``list`` calls per saver and repeat."""
+LIST_TUPLES = 2000
+"""Checkpoints listed per saver and repeat: ``LIST_TUPLES // steps`` whole-thread calls (at
+least 2)."""
 
-OPS = ("put", "put_writes", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)")
+OPS = ("invoke", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)")
+
+SIZE_AT = 100
+"""Bytes per step are measured over the first and the last ``SIZE_AT`` steps."""
 
 
 @dataclass
@@ -64,15 +70,24 @@ class Result:
     samples: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPS})
     items: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 1))
     size_bytes: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)
+    """Database size after the first thread's step count (0: before it)."""
+
+    def per_step(self, first: int, last: int) -> float:
+        """Bytes per step between the sizes after steps ``first`` and ``last``."""
+        return (self.sizes[last] - self.sizes[first]) / (last - first)
 
     def rate(self, op: str) -> float:
         """Items per second at the median call duration."""
         return self.items[op] / statistics.median(self.samples[op])
 
 
+WORDS = "the agent looked up the weather and the calendar then wrote a short plan".split()
+
+
 def message(step: int) -> Any:
-    """The message added at ``step``: alternating user and assistant turns of ~300 chars."""
-    text = f"turn {step}: " + "some conversational content " * 10
+    """The message added at ``step``: alternating user and assistant turns of 60 words."""
+    text = " ".join(["turn", str(step), *(WORDS[i % len(WORDS)] for i in range(58))])
     return HumanMessage(text) if step % 2 == 0 else AIMessage(text)
 
 
@@ -101,11 +116,8 @@ class ThreadWriter:
         metadata = {"source": "loop", "step": step, "parents": {}}
         t0 = time.perf_counter()
         self.config = saver.put(self.config, checkpoint, metadata, new)
-        t1 = time.perf_counter()
         saver.put_writes(self.config, [("messages", [message(step + 1)])], f"task-{step}", "~0")
-        t2 = time.perf_counter()
-        result.samples["put"].append(t1 - t0)
-        result.samples["put_writes"].append(t2 - t1)
+        result.samples["invoke"].append(time.perf_counter() - t0)
         self.configs.append(self.config)
 
 
@@ -116,39 +128,63 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def bench_pair(
-    ours_saver: BaseCheckpointSaver, peer_saver: BaseCheckpointSaver, steps: int, repeat: int
+    writers_: tuple[BaseCheckpointSaver, BaseCheckpointSaver],
+    readers: Callable[[], Any],
+    sizes: tuple[Callable[[], int], Callable[[], int]],
+    steps: int,
+    repeat: int,
 ) -> tuple[Result, Result]:
     """Run every measurement on both savers in lockstep, alternating which goes first.
 
-    Interleaving makes both savers see the same machine load; the reported rate uses each
-    operation's median call time, which a burst of load from other processes barely moves.
+    ``writers_`` write (ours, peer); ``readers()`` is a context manager giving the (ours,
+    peer) savers that read; ``sizes`` measure each database. Interleaving makes both savers
+    see the same machine load; the reported rate uses each operation's median call time, which
+    a burst of load from other processes barely moves.
     """
     results = (Result(), Result())
-    savers = (ours_saver, peer_saver)
+    marks = {0, SIZE_AT, steps - SIZE_AT, steps}
     for r in range(repeat):
-        writers = [ThreadWriter(s, f"bench-{r}") for s in savers]
+        writers = [ThreadWriter(s, f"bench-{r}") for s in writers_]
         for step in range(steps):
+            if r == 0 and step in marks:
+                for side in (0, 1):
+                    results[side].sizes[step] = sizes[side]()
             for side in (step % 2, 1 - step % 2):
                 writers[side].step(step, results[side])
-        for i in range(steps):
-            for side in (i % 2, 1 - i % 2):
-                saver, config = savers[side], writers[side].configs[i]
-                results[side].samples["get_tuple (by id)"].append(
-                    _timed(lambda s=saver, c=config: s.get_tuple(c))
-                )
-                latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
-                results[side].samples["get_tuple (latest)"].append(
-                    _timed(lambda s=saver, c=latest: s.get_tuple(c))
-                )
-        for i in range(LIST_CALLS):
-            for side in (i % 2, 1 - i % 2):
-                latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
-                results[side].samples["list (whole thread)"].append(
-                    _timed(lambda s=savers[side], c=latest: list(s.list(c)))
-                )
+        if r == 0:
+            for side in (0, 1):
+                results[side].sizes[steps] = results[side].size_bytes = sizes[side]()
+        with readers() as savers:
+            _read_pass(savers, writers, results, steps, r)
     for result in results:
         result.items["list (whole thread)"] = steps
     return results
+
+
+def _read_pass(
+    savers: tuple[BaseCheckpointSaver, BaseCheckpointSaver],
+    writers: list[ThreadWriter],
+    results: tuple[Result, Result],
+    steps: int,
+    r: int,
+) -> None:
+    """Time get_tuple by id and latest on every checkpoint, then whole-thread lists."""
+    for i in range(steps):
+        for side in (i % 2, 1 - i % 2):
+            saver, config = savers[side], writers[side].configs[i]
+            results[side].samples["get_tuple (by id)"].append(
+                _timed(lambda s=saver, c=config: s.get_tuple(c))
+            )
+            latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
+            results[side].samples["get_tuple (latest)"].append(
+                _timed(lambda s=saver, c=latest: s.get_tuple(c))
+            )
+    for i in range(max(2, LIST_TUPLES // steps)):
+        for side in (i % 2, 1 - i % 2):
+            latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
+            results[side].samples["list (whole thread)"].append(
+                _timed(lambda s=savers[side], c=latest: list(s.list(c)))
+            )
 
 
 def sqlite_size(path: Path) -> int:
@@ -186,18 +222,23 @@ def fresh_pg_database() -> Iterator[str]:
 def run_sqlite(steps: int, repeat: int, folder: Path) -> tuple[Result, Result]:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    ours_path, peer_path = folder / "ours.db", folder / "peer.db"
+    ours_path, peer_path = folder / f"ours-{steps}.db", folder / f"peer-{steps}.db"
+    ours_url = f"sqlite:///{ours_path}"
     with (
-        SQLAlchemySaver.from_conn_string(f"sqlite:///{ours_path}") as ours_saver,
+        SQLAlchemySaver.from_conn_string(ours_url) as ours_saver,
         sqlite3.connect(peer_path, check_same_thread=False) as conn,
     ):
         peer_saver = SqliteSaver(conn)
         ours_saver.setup()
         peer_saver.setup()
-        ours, peer = bench_pair(ours_saver, peer_saver, steps, repeat)
-    ours.size_bytes = sqlite_size(ours_path)
-    peer.size_bytes = sqlite_size(peer_path)
-    return ours, peer
+
+        @contextmanager
+        def readers() -> Iterator[tuple[BaseCheckpointSaver, BaseCheckpointSaver]]:
+            with SQLAlchemySaver.from_conn_string(ours_url) as ours_reader:
+                yield ours_reader, peer_saver
+
+        sizes = (lambda: sqlite_size(ours_path), lambda: sqlite_size(peer_path))
+        return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat)
 
 
 def run_postgres(steps: int, repeat: int) -> tuple[Result, Result]:
@@ -210,43 +251,59 @@ def run_postgres(steps: int, repeat: int) -> tuple[Result, Result]:
         ):
             ours_saver.setup()
             peer_saver.setup()
-            ours, peer = bench_pair(ours_saver, peer_saver, steps, repeat)
-        ours.size_bytes = pg_size(ours_url)
-        peer.size_bytes = pg_size(peer_url)
-    return ours, peer
+
+            @contextmanager
+            def readers() -> Iterator[tuple[BaseCheckpointSaver, BaseCheckpointSaver]]:
+                with SQLAlchemySaver.from_conn_string(ours_url) as ours_reader:
+                    yield ours_reader, peer_saver
+
+            sizes = (lambda: pg_size(ours_url), lambda: pg_size(peer_url))
+            return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat)
 
 
-def print_table(rows: list[tuple[str, str, Result, Result]]) -> None:
-    header = f"{'backend':<10} {'operation':<22} {'ours':>12} {'peer':>12} {'ours/peer':>10}"
+def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
+    header = (
+        f"{'backend':<9} {'steps':>5} {'operation':<26} {'ours':>11} {'peer':>11} {'ours/peer':>9}"
+    )
     print(header)
     print("-" * len(header))
-    for backend, peer_name, ours, peer in rows:
+    for backend, steps, peer_name, ours, peer in rows:
+        lead = f"{backend:<9} {steps:>5}"
         for op in OPS:
             a, b = ours.rate(op), peer.rate(op)
-            print(f"{backend:<10} {op + ' /s':<22} {a:>12.1f} {b:>12.1f} {a / b:>9.2f}x")
+            print(f"{lead} {op + ' /s':<26} {a:>11.1f} {b:>11.1f} {a / b:>8.2f}x")
         a_mb, b_mb = ours.size_bytes / 2**20, peer.size_bytes / 2**20
         ratio = ours.size_bytes / peer.size_bytes
-        label = "size MiB (lower=better)"
-        print(f"{backend:<10} {label:<22} {a_mb:>12.2f} {b_mb:>12.2f} {ratio:>9.2f}x")
-        print(f"{'':<10} (peer: {peer_name})")
+        print(f"{lead} {'size MiB (lower=better)':<26} {a_mb:>11.2f} {b_mb:>11.2f} {ratio:>8.3f}x")
+        spans = ((0, SIZE_AT, "first"), (steps - SIZE_AT, steps, "last"))
+        for first, last, name in spans:
+            a, b = ours.per_step(first, last), peer.per_step(first, last)
+            label = f"bytes/step {name} {SIZE_AT}"
+            print(f"{lead} {label:<26} {a:>11.0f} {b:>11.0f} {a / b:>8.3f}x")
+        print(f"{'':<15} (peer: {peer_name})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="checkpoints per thread")
-    parser.add_argument("--repeat", type=int, default=3, help="threads/passes; best is kept")
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=[200, 1000], help="checkpoints per thread"
+    )
+    parser.add_argument("--repeat", type=int, default=2, help="threads per saver and length")
     parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
     args = parser.parse_args()
+    if min(args.steps) < 2 * SIZE_AT:
+        parser.error(f"--steps must be at least {2 * SIZE_AT} (bytes per step span {SIZE_AT})")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        ours, peer = run_sqlite(args.steps, args.repeat, Path(tmp))
-        rows.append(("sqlite", "SqliteSaver", ours, peer))
-    if not args.no_postgres:
-        ours, peer = run_postgres(args.steps, args.repeat)
-        rows.append(("postgres", "PostgresSaver", ours, peer))
+    for steps in args.steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            ours, peer = run_sqlite(steps, args.repeat, Path(tmp))
+            rows.append(("sqlite", steps, "SqliteSaver", ours, peer))
+        if not args.no_postgres:
+            ours, peer = run_postgres(steps, args.repeat)
+            rows.append(("postgres", steps, "PostgresSaver", ours, peer))
     print(
-        f"\n{args.steps}-step thread x {args.repeat} per saver; rates at the median call time "
-        "(savers interleaved call by call)\n"
+        f"\n{' and '.join(map(str, args.steps))}-step threads x {args.repeat} per saver; rates "
+        "at the median call time (savers interleaved call by call)\n"
     )
     print_table(rows)
 

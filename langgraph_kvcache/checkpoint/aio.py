@@ -44,6 +44,7 @@ from langgraph_kvcache.checkpoint.engine import (
     prepare_engine,
 )
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.kv_keeper import Runner
 from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions, resolve_options
 from langgraph_kvcache.checkpoint.kv_sessions_aio import AsyncThreadSessions
 from langgraph_kvcache.errors import UnsupportedDatabaseError
@@ -111,7 +112,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
-        self.kv_sessions = AsyncThreadSessions(self, options) if options else None
+        runner = Runner(self.dialect, self._run, self._op_delete_threads)
+        self.kv_sessions = AsyncThreadSessions(runner, options) if options else None
         """The server session keeper (``None`` without ``kv_server``)."""
         self.lifecycle: LifecycleHooks = self.kv_sessions or self
         """Whose lifecycle hooks run: the session keeper, else the saver's own (no-ops)."""
@@ -221,13 +223,16 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
-        await self._run(self._op_delete_threads([str(thread_id)]), "write")
-        await self.lifecycle._aafter_delete_threads([str(thread_id)])
+        ids = [str(thread_id)]
+        op = self.lifecycle._tx_delete_threads(self._op_delete_threads(ids), ids)
+        await self._run(op, "write")
+        await self.lifecycle._aafter_delete_threads(ids)
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
-        await self._run(self._op_copy_thread(source, target), "write")
+        op = self.lifecycle._tx_copy_thread(self._op_copy_thread(source, target), source, target)
+        await self._run(op, "write")
         await self.lifecycle._aafter_copy_thread(source, target)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -235,7 +240,10 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         ids = check_prune_args(thread_ids, strategy)
         if not ids:
             return
-        await self._run(self._op_prune(ids, strategy), "write")
+        op = self._op_prune(ids, strategy)
+        if strategy == "delete":
+            op = self.lifecycle._tx_delete_threads(op, ids)
+        await self._run(op, "write")
         if strategy == "delete":
             await self.lifecycle._aafter_delete_threads(ids)
         await self.lifecycle._aafter_prune(ids, strategy)
@@ -244,7 +252,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
-        threads = await self._run(self._op_delete_for_runs(run_ids), "write")
+        op = self.lifecycle._tx_delete_for_runs(self._op_delete_for_runs(run_ids), run_ids)
+        threads = await self._run(op, "write")
         await self.lifecycle._aafter_delete_for_runs(list(run_ids), threads)
 
     async def asweep_expired(self) -> list[str]:

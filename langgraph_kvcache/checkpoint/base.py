@@ -44,7 +44,7 @@ from sqlalchemy import (
 from langgraph_kvcache.checkpoint import codec, gc, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState
+from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState, MissingItems
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
 from langgraph_kvcache.checkpoint.schema import (
     blobs,
@@ -159,8 +159,13 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         return found[0] if found else None
 
     def _op_load(self, rows: list[Any]) -> Op[list[CheckpointTuple]]:
-        """Decode ``queries.checkpoint_rows`` rows, fetching the list items not remembered."""
+        """Decode ``queries.checkpoint_rows`` rows; fetch the list items not remembered (only
+        when decoding from memory fails, so a warm read is one statement)."""
         loaded = codec.LoadedRows(rows)
+        try:
+            return loaded.tuples(self.serde, self.lists, {})
+        except MissingItems:
+            pass
         fetched: dict[bytes, tuple[str, bytes]] = {}
         for (thread_id, ns), digests in loaded.item_digests().items():
             missing = self.lists.missing(digests)

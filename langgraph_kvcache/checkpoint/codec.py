@@ -23,14 +23,18 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
 
-from langgraph_kvcache.checkpoint.lists import ITEMS_TYPE, ListState, ListVersion, is_item_list
+from langgraph_kvcache.checkpoint.lists import (
+    ITEMS_TYPE,
+    ListState,
+    ListVersion,
+    StoredBlob,
+    is_item_list,
+)
 from langgraph_kvcache.checkpoint.queries import KIND_BLOB, KIND_CHECKPOINT
 
 BlobKey = tuple[str, str, str, str]
 """(thread_id, checkpoint_ns, channel, version) of a stored channel value."""
 
-StoredBlob = tuple[str, bytes | None, str | None]
-"""(serde type, bytes, base version) of a stored channel value (see :mod:`.lists`)."""
 
 WriteKey = tuple[str, str, str]
 """(thread_id, checkpoint_ns, checkpoint_id) a pending write belongs to."""
@@ -142,6 +146,7 @@ def checkpoint_row(
                 "type": b_type,
                 "blob": b_data,
                 "base_version": None,
+                "since_snapshot": None,
             }
         )
     for channel, state in parent_lists.items():
@@ -196,7 +201,7 @@ class LoadedRows:
                 self.heads.append(row)
             elif kind == KIND_BLOB:
                 key = (row["thread_id"], row["checkpoint_ns"], row["a"], row["b"])
-                self.blobs[key] = (row["type"], row["data"], row["checkpoint_id"])
+                self.blobs[key] = (row["type"], row["data"], row["checkpoint_id"], row["idx"])
             else:
                 key = (row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"])
                 self.pending.setdefault(key, []).append(row)
@@ -205,7 +210,7 @@ class LoadedRows:
     def item_digests(self) -> dict[tuple[str, str], set[bytes]]:
         """Digests of the list items of the rows, per (thread, namespace)."""
         out: dict[tuple[str, str], set[bytes]] = {}
-        for (thread_id, ns, _, _), (type_, data, _) in self.blobs.items():
+        for (thread_id, ns, _, _), (type_, data, _, _) in self.blobs.items():
             if type_ == ITEMS_TYPE and data:
                 found = out.setdefault((thread_id, ns), set())
                 found.update(data[i : i + 16] for i in range(0, len(data), 16))

@@ -29,6 +29,7 @@ With ``EncryptedSerializer`` the digests are keyed per saver and computed over t
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -45,6 +46,9 @@ ITEMS_TYPE = "lgkv.items"
 DIGEST_SIZE = 16
 """Bytes per item digest."""
 
+StoredBlob = tuple[str, bytes | None, str | None, int | None]
+"""A ``checkpoint_blobs`` row as read: (type, bytes, base version, versions since snapshot)."""
+
 DEFAULT_SNAPSHOT_EVERY = 100
 """Default ``snapshot_every``: a chain of list versions restarts with a snapshot every 100
 versions, so a read walks at most 99 links."""
@@ -56,6 +60,16 @@ CHAIN_CACHE_ENTRIES = 2048
 """Checkpoints whose list versions a saver remembers (to write deltas against them)."""
 
 
+class MissingItems(LookupError):
+    """Some list items were neither remembered nor fetched (the reader fetches and retries)."""
+
+    def __init__(self, digest: bytes) -> None:
+        super().__init__(
+            f"checkpoint data is missing: list item {digest.hex()} is not stored. Was the "
+            "thread pruned by another process while this one wrote to it?"
+        )
+
+
 @dataclass(frozen=True)
 class ListVersion:
     """What a saver knows about one stored version of a list channel."""
@@ -63,8 +77,13 @@ class ListVersion:
     version: str
     digests: bytes
     """The digests of every item of the value, in order (``DIGEST_SIZE`` bytes each)."""
-    links: int
-    """Deltas between this version and its chain's snapshot (0: a snapshot)."""
+    count: int
+    """Versions since its chain's snapshot (0: a snapshot)."""
+    root: tuple[str, int]
+    """(version, item count) of its chain's snapshot (itself for a snapshot)."""
+    anchor: tuple[str, int]
+    """(version, item count) that a leaf appended after this version extends: itself for a
+    snapshot or an anchor, its own base for a leaf."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +115,8 @@ def is_item_list(value: Any) -> bool:
 
 
 class _ByteLRU:
-    """A thread-safe LRU of digest -> (serde type, bytes), bounded by total bytes."""
+    """A thread-safe map of digest -> (serde type, bytes), bounded by total bytes (the oldest
+    entries go first)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -105,11 +125,8 @@ class _ByteLRU:
         self._lock = threading.Lock()
 
     def get(self, digest: bytes) -> tuple[str, bytes] | None:
-        with self._lock:
-            found = self._data.get(digest)
-            if found is not None:
-                self._data.move_to_end(digest)
-            return found
+        # No reordering on reads (a dict read is atomic): eviction is first in, first out.
+        return self._data.get(digest)
 
     def put(self, digest: bytes, item: tuple[str, bytes]) -> None:
         size = len(item[1]) + 64
@@ -117,7 +134,6 @@ class _ByteLRU:
             return
         with self._lock:
             if digest in self._data:
-                self._data.move_to_end(digest)
                 return
             self._data[digest] = item
             self._size += size
@@ -151,6 +167,10 @@ class ListState:
             )
         self.serde = serde
         self.snapshot_every = snapshot_every
+        self.anchor_every = max(2, math.isqrt(snapshot_every))
+        """Every ``anchor_every``-th version of a chain (an anchor) lists all items since the
+        snapshot; the others (leaves) those since the last anchor, so reads follow at most two
+        links."""
         self.items = _ByteLRU(item_cache_bytes)
         encrypted = isinstance(serde, EncryptedSerializer)
         self._digest_serde: SerializerProtocol = serde.serde if encrypted else serde
@@ -223,12 +243,25 @@ class ListState:
             else:
                 digests.append(self._digest(typed))
         packed = b"".join(digests)
-        delta = base is not None and prefix and base.links + 1 < self.snapshot_every
-        start = len(base_digests) if delta else 0
+        n = len(digests)
+        count = base.count + 1 if base is not None and prefix else 0
+        if count >= self.snapshot_every:
+            count = 0
+        if count == 0:  # a snapshot
+            start, base_version = 0, None
+            state = ListVersion(version, packed, 0, (version, n), (version, n))
+        elif count % self.anchor_every == 0:  # an anchor: extends the snapshot
+            assert base is not None
+            start, base_version = base.root[1], base.root[0]
+            state = ListVersion(version, packed, count, base.root, (version, n))
+        else:  # a leaf: extends the nearest anchor (or the snapshot)
+            assert base is not None
+            start, base_version = base.anchor[1], base.anchor[0]
+            state = ListVersion(version, packed, count, base.root, base.anchor)
         stored = set(base_digests)  # the base is stored, so are its items
         item_rows = []
         seen: set[bytes] = set()
-        for i in range(start, len(plain)) if delta else range(len(plain)):
+        for i in range(start, n):
             digest = digests[i]
             if digest in stored or digest in seen:
                 continue
@@ -251,9 +284,9 @@ class ListState:
             "version": version,
             "type": ITEMS_TYPE,
             "blob": packed[start * DIGEST_SIZE :],
-            "base_version": base.version if delta and base is not None else None,
+            "base_version": base_version,
+            "since_snapshot": count,
         }
-        state = ListVersion(version, packed, base.links + 1 if delta and base else 0)
         return PlannedList(blob_row, item_rows, state)
 
     # -- reading ----------------------------------------------------------------------------
@@ -264,11 +297,13 @@ class ListState:
         ns: str,
         channel: str,
         version: str,
-        blobs: Mapping[tuple[str, str, str, str], tuple[str, bytes | None, str | None]],
+        blobs: Mapping[tuple[str, str, str, str], StoredBlob],
     ) -> ListVersion:
-        """Follow ``version``'s chain in ``blobs`` (rows as read) back to its snapshot."""
+        """Follow ``version``'s chain in ``blobs`` (rows as read) back to its snapshot: at most
+        two links (leaf -> anchor -> snapshot)."""
         parts: list[bytes] = []
-        links = -1
+        versions: list[str] = []
+        count = 0
         current: str | None = version
         while current is not None:
             row = blobs.get((thread_id, ns, channel, current))
@@ -279,27 +314,37 @@ class ListState:
                     "extends it. Was the thread pruned or deleted by another process while "
                     "this one wrote to it? Delete the thread or fork from an older checkpoint."
                 )
+            if not versions:
+                count = row[3] or 0
             parts.append(row[1] or b"")
+            versions.append(current)
             current = row[2]
-            links += 1
-        parts.reverse()
-        return ListVersion(version, b"".join(parts), links)
+        sizes = [len(p) // DIGEST_SIZE for p in reversed(parts)]
+        totals = [sum(sizes[: i + 1]) for i in range(len(sizes))]  # root first
+        digests = b"".join(reversed(parts))
+        root = (versions[-1], totals[0])
+        if count == 0 or count % self.anchor_every == 0:
+            anchor = (version, totals[-1])
+        else:
+            anchor = (versions[1], totals[-2])
+        return ListVersion(version, digests, count, root, anchor)
 
     def decode(self, digests: bytes, items: Mapping[bytes, tuple[str, bytes]]) -> list[Any]:
-        """The list whose items have ``digests``, from ``items`` or this saver's memory."""
-        typed = []
-        for digest in split_digests(digests):
-            found = items.get(digest) or self.items.get(digest)
-            if found is None:
-                raise LookupError(
-                    f"checkpoint data is missing: list item {digest.hex()} is not stored. Was "
-                    "the thread pruned by another process while this one wrote to it?"
-                )
-            typed.append(found)
-        if all(t == "msgpack" for t, _ in typed):
-            data = msgpack_array_header(len(typed)) + b"".join(b for _, b in typed)
+        """The list whose items have ``digests``, from this saver's memory or ``items``.
+
+        Raises :class:`MissingItems` when some item is in neither (fetch them and retry).
+        """
+        split = split_digests(digests)
+        remembered = self.items.get
+        typed = [remembered(d) for d in split]
+        if None in typed:
+            typed = [t or items.get(d) for t, d in zip(typed, split, strict=True)]
+            if None in typed:
+                raise MissingItems(split[typed.index(None)])
+        if all(t[0] == "msgpack" for t in typed):  # type: ignore[index]
+            data = msgpack_array_header(len(typed)) + b"".join([t[1] for t in typed])  # type: ignore[index]
             return self.serde.loads_typed(("msgpack", data))
-        return [self.serde.loads_typed(t) for t in typed]
+        return [self.serde.loads_typed(t) for t in typed]  # type: ignore[arg-type]
 
     def missing(self, digests: Iterable[bytes]) -> list[bytes]:
         """The digests among ``digests`` whose items this saver does not remember."""

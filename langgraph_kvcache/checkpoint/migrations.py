@@ -111,6 +111,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             )""",
             # Nullable: rows written before this migration keep NULL and read as they did.
             "ALTER TABLE checkpoint_blobs ADD COLUMN base_version TEXT",
+            "ALTER TABLE checkpoint_blobs ADD COLUMN since_snapshot INTEGER",
         ),
     ),
 )

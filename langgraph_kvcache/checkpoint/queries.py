@@ -8,9 +8,10 @@ returns one ``UNION ALL`` of three row kinds, told apart by ``kind``:
 - ``0``: a checkpoint (``a`` = parent id, ``data`` = serialized body, ``b`` = metadata text,
   ``c`` = ``blob_versions`` text);
 - ``1``: a blob one of them references through its ``blob_versions`` (``a`` = channel,
-  ``b`` = version), and for list versions stored as deltas (:mod:`.lists`) every version down
-  their chain to its snapshot (``checkpoint_id`` = the version it extends); each blob comes
-  once even when many checkpoints share it;
+  ``b`` = version), and for list versions stored as deltas (:mod:`.lists`) the (at most two)
+  versions down their chain to its snapshot (``checkpoint_id`` = the version it extends,
+  ``idx`` = versions since the snapshot); each blob comes once even when many checkpoints
+  share it;
 - ``2``: a pending write of one of them (``a`` = channel, ``b`` = task id, ``c`` = task path).
 
 SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_each_text``. The
@@ -40,6 +41,7 @@ from sqlalchemy import (
     select,
     true,
     type_coerce,
+    union,
     union_all,
 )
 from sqlalchemy.dialects import postgresql
@@ -51,8 +53,13 @@ from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items, write
 KIND_CHECKPOINT, KIND_BLOB, KIND_WRITE = 0, 1, 2
 
 
-def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select[Any]:
-    """The union described in the module docstring for checkpoints matching ``where``."""
+def checkpoint_rows(
+    dialect: str, where: list[Any], limit: Any | None, *, one: bool = False
+) -> Select[Any]:
+    """The union described in the module docstring for checkpoints matching ``where``.
+
+    ``one``: at most one checkpoint matches, so no two blob references share a chain and the
+    chain rows need no ``DISTINCT``."""
     ck = checkpoints.c
     wanted = (
         select(
@@ -88,7 +95,7 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         .subquery("r")
     )
     w = writes.c
-    chain = _blob_chain(refs)
+    chain = _blob_chain(refs, distinct=not one)
     text_null = cast(null(), Text)
     checkpoint_part = select(
         literal_column(str(KIND_CHECKPOINT), Integer).label("kind"),
@@ -112,7 +119,7 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
         text_null,
         chain.c.type,
         chain.c.blob,
-        cast(null(), Integer),
+        chain.c.since_snapshot,
     )
     write_part = select(
         literal_column(str(KIND_WRITE), Integer),
@@ -135,30 +142,39 @@ def checkpoint_rows(dialect: str, where: list[Any], limit: Any | None) -> Select
     return union_all(checkpoint_part, blob_part, write_part)  # type: ignore[return-value]
 
 
-def _blob_chain(refs: Any) -> Any:
-    """A recursive CTE: the blobs ``refs`` (thread, namespace, channel, version) name, and the
-    versions each one extends (``base_version``), down to a snapshot. ``UNION`` (not ``ALL``)
-    so a link shared by many requested versions comes once."""
-    b = blobs.c
-    columns = (b.thread_id, b.checkpoint_ns, b.channel, b.version, b.type, b.blob, b.base_version)
-    start = select(*columns).join_from(
-        refs,
-        blobs,
-        (b.thread_id == refs.c.thread_id)
-        & (b.checkpoint_ns == refs.c.checkpoint_ns)
-        & (b.channel == refs.c.channel)
-        & (b.version == refs.c.version),
-    )
-    chain = start.cte("chain", recursive=True)
-    step = select(*columns).join_from(
-        chain,
-        blobs,
-        (b.thread_id == chain.c.thread_id)
-        & (b.checkpoint_ns == chain.c.checkpoint_ns)
-        & (b.channel == chain.c.channel)
-        & (b.version == chain.c.base_version),
-    )
-    return chain.union(step)
+def _blob_chain(refs: Any, *, distinct: bool) -> Any:
+    """The blobs ``refs`` (thread, namespace, channel, version) name, and for list versions
+    stored as deltas the versions they extend (``base_version``): at most two links, a leaf's
+    anchor and the snapshot (:mod:`.lists`), each a primary-key lookup. ``UNION`` (distinct)
+    when many references may share a link, else ``UNION ALL``."""
+    levels = [blobs.alias(f"l{i}") for i in range(3)]
+
+    def on(row: Any, version: Any, ref: Any) -> Any:
+        return (
+            (row.c.thread_id == ref.c.thread_id)
+            & (row.c.checkpoint_ns == ref.c.checkpoint_ns)
+            & (row.c.channel == ref.c.channel)
+            & (row.c.version == version)
+        )
+
+    parts = []
+    for depth in range(3):
+        row = levels[depth]
+        query = select(
+            row.c.thread_id,
+            row.c.checkpoint_ns,
+            row.c.channel,
+            row.c.version,
+            row.c.type,
+            row.c.blob,
+            row.c.base_version,
+            row.c.since_snapshot,
+        ).select_from(refs)
+        query = query.join(levels[0], on(levels[0], refs.c.version, refs))
+        for i in range(1, depth + 1):
+            query = query.join(levels[i], on(levels[i], levels[i - 1].c.base_version, refs))
+        parts.append(query)
+    return (union(*parts) if distinct else union_all(*parts)).subquery("chain")
 
 
 @cache
@@ -166,7 +182,7 @@ def get_latest(dialect: str) -> Select[Any]:
     """Latest checkpoint of (``:thread_id``, ``:checkpoint_ns``)."""
     ck = checkpoints.c
     where = [ck.thread_id == bindparam("thread_id"), ck.checkpoint_ns == bindparam("checkpoint_ns")]
-    return checkpoint_rows(dialect, where, 1)
+    return checkpoint_rows(dialect, where, 1, one=True)
 
 
 @cache
@@ -178,7 +194,7 @@ def get_by_id(dialect: str) -> Select[Any]:
         ck.checkpoint_ns == bindparam("checkpoint_ns"),
         ck.checkpoint_id == bindparam("checkpoint_id"),
     ]
-    return checkpoint_rows(dialect, where, None)
+    return checkpoint_rows(dialect, where, None, one=True)
 
 
 # -- write statements ------------------------------------------------------------------------
@@ -191,6 +207,7 @@ _BLOB_COLUMNS = (
     "type",
     "blob",
     "base_version",
+    "since_snapshot",
 )
 _ITEM_COLUMNS = ("thread_id", "checkpoint_ns", "item", "type", "blob")
 _WRITE_COLUMNS = (

@@ -73,7 +73,9 @@ class BlobRow(Base):
 
     A list version stored by items (``type`` ``lgkv.items``, see :mod:`.lists`) holds item
     digests: all of them (a snapshot, ``base_version`` NULL) or those appended to
-    ``base_version`` (a delta). Every other row holds the serialized value.
+    ``base_version`` (a delta, itself at most one link from a snapshot); ``since_snapshot``
+    counts the versions since its chain's snapshot. Every other row holds the serialized
+    value (both columns NULL).
     """
 
     __tablename__ = "checkpoint_blobs"
@@ -85,6 +87,7 @@ class BlobRow(Base):
     type: Mapped[str] = mapped_column(Text)
     blob: Mapped[bytes | None] = mapped_column(LargeBinary)
     base_version: Mapped[str | None] = mapped_column(Text)
+    since_snapshot: Mapped[int | None] = mapped_column(Integer)
 
 
 class ItemRow(Base):

@@ -44,6 +44,7 @@ from langgraph_kvcache.checkpoint.engine import (
     prepare_engine,
 )
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.kv_keeper import Runner
 from langgraph_kvcache.checkpoint.kv_sessions import (
     KVSessionOptions,
     ThreadSessions,
@@ -106,7 +107,8 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         self._lock: AbstractContextManager[Any] = (
             threading.Lock() if isinstance(engine.pool, StaticPool) else nullcontext()
         )
-        self.kv_sessions = ThreadSessions(self, options) if options else None
+        runner = Runner(self.dialect, self._run, self._op_delete_threads)
+        self.kv_sessions = ThreadSessions(runner, options) if options else None
         """The server session keeper (``None`` without ``kv_server``)."""
         self.lifecycle: LifecycleHooks = self.kv_sessions or self
         """Whose lifecycle hooks run: the session keeper, else the saver's own (no-ops)."""
@@ -250,13 +252,15 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""
-        self._run(self._op_delete_threads([str(thread_id)]), "write")
-        self.lifecycle._after_delete_threads([str(thread_id)])
+        ids = [str(thread_id)]
+        self._run(self.lifecycle._tx_delete_threads(self._op_delete_threads(ids), ids), "write")
+        self.lifecycle._after_delete_threads(ids)
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of a thread to a new, empty thread."""
         source, target = str(source_thread_id), str(target_thread_id)
-        self._run(self._op_copy_thread(source, target), "write")
+        op = self.lifecycle._tx_copy_thread(self._op_copy_thread(source, target), source, target)
+        self._run(op, "write")
         self.lifecycle._after_copy_thread(source, target)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -268,7 +272,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         ids = check_prune_args(thread_ids, strategy)
         if not ids:
             return
-        self._run(self._op_prune(ids, strategy), "write")
+        op = self._op_prune(ids, strategy)
+        if strategy == "delete":
+            op = self.lifecycle._tx_delete_threads(op, ids)
+        self._run(op, "write")
         if strategy == "delete":
             self.lifecycle._after_delete_threads(ids)
         self.lifecycle._after_prune(ids, strategy)
@@ -277,7 +284,8 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         """Delete the checkpoints whose metadata ``run_id`` is in ``run_ids``, with their writes."""
         if not run_ids:
             return
-        threads = self._run(self._op_delete_for_runs(run_ids), "write")
+        op = self.lifecycle._tx_delete_for_runs(self._op_delete_for_runs(run_ids), run_ids)
+        threads = self._run(op, "write")
         self.lifecycle._after_delete_for_runs(list(run_ids), threads)
 
     def sweep_expired(self) -> list[str]:

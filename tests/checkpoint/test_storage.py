@@ -90,9 +90,9 @@ def test_prune_keep_latest_collects_blobs(saver: SQLAlchemySaver) -> None:
     assert kept[0].parent_config is None
     assert kept[0].checkpoint["channel_values"]["static"] == STATIC
     assert kept[0].pending_writes == [("task-new", "messages", "new")]
-    # The latest messages version is a delta over the three before it (lists.py): the chain
-    # stays, with "static"; the four messages are stored once each.
-    assert _count(saver, blobs, thread_id="t") == 5
+    # The latest messages version is a delta over the first one, its chain's snapshot
+    # (lists.py): both stay, with "static"; the four messages are stored once each.
+    assert _count(saver, blobs, thread_id="t") == 3
     assert _count(saver, items, thread_id="t") == 4
     assert _count(saver, writes, thread_id="t") == 1
     assert _count(saver, checkpoints, thread_id="other") == 2
@@ -122,6 +122,7 @@ def test_delete_for_runs_collects_blobs_and_parents(saver: SQLAlchemySaver) -> N
     assert _count(saver, blobs, thread_id="t", channel="static") == 1
     # The deleted checkpoint's messages version is the snapshot the later deltas extend: kept.
     assert _count(saver, blobs, thread_id="t", channel="messages") == 3
+    assert _count(saver, items, thread_id="t") == 3
     assert _count(saver, writes, thread_id="t") == 0
     saver.delete_for_runs(["missing"])
     assert _count(saver, checkpoints, thread_id="t") == 2
