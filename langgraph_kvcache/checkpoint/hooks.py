@@ -1,10 +1,20 @@
 """The session lifecycle hooks: the extension point for keeping KV-cache sessions in step.
 
-A later saver option (``kv_server=``) maps each (``thread_id``, ``checkpoint_ns``) to a session
-on the KV-cache server. The savers call these hooks after the matching operation has committed,
-with what it touched; here they do nothing, so a plain saver pays nothing. A session-aware
-subclass overrides the sync hooks (used by ``SQLAlchemySaver``) and the async ones (used by
-``AsyncSQLAlchemySaver``):
+With ``kv_server=`` a saver maps each (``thread_id``, ``checkpoint_ns``) to a session on the
+KV-cache server (:mod:`.kv_sessions`). The savers call these hooks around each operation that
+reads or changes a thread as a whole; here they do nothing, so a plain saver pays nothing. A
+session-aware subclass (:class:`~.kv_keeper.SessionKeeper`) overrides them.
+
+In-transaction hooks: the saver passes its change (an :data:`~.base.Op`) and runs the operation
+the hook returns instead, as one transaction, so what the hook records commits with the change
+or not at all. The default returns the change itself.
+
+- ``_tx_delete_threads``: ``delete_thread`` and ``prune(strategy="delete")``.
+- ``_tx_copy_thread``: ``copy_thread``.
+- ``_tx_delete_for_runs``: ``delete_for_runs`` (the change returns the threads it touched).
+
+After-commit hooks, with what the operation touched (the sync ones for ``SQLAlchemySaver``, the
+``_aafter_*`` twins for ``AsyncSQLAlchemySaver``):
 
 - ``_after_get_tuple``: a run is starting or resuming: prefetch the thread's KV from disk.
 - ``_after_delete_threads``: ``delete_thread`` / ``prune(strategy="delete")``: drop sessions.
@@ -12,20 +22,40 @@ subclass overrides the sync hooks (used by ``SQLAlchemySaver``) and the async on
 - ``_after_prune``: ``prune`` either strategy (``keep_latest`` keeps the sessions' latest KV).
 - ``_after_delete_for_runs``: the threads that lost checkpoints to ``delete_for_runs``.
 
-Hooks must not raise for a missing server session; a failure to reach the server should be
-logged, never lose the database change that already committed.
+After-commit hooks must not raise for a missing server session; a failure to reach the server
+is logged, and never loses the database change that already committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import CheckpointTuple
 
+if TYPE_CHECKING:  # .base imports this module
+    from langgraph_kvcache.checkpoint.base import Op
+
+T = TypeVar("T")
+
 
 class LifecycleHooks:
-    """No-op lifecycle hooks, called by the savers after each thread-level operation."""
+    """No-op lifecycle hooks, called by the savers around each thread-level operation."""
+
+    def _tx_delete_threads(self, change: Op[T], thread_ids: Sequence[str]) -> Op[T]:
+        """The transaction of ``delete_thread`` / ``prune(strategy="delete")``: ``change``
+        (deletes ``thread_ids``) plus whatever must commit with it."""
+        return change
+
+    def _tx_copy_thread(self, change: Op[T], source: str, target: str) -> Op[T]:
+        """The transaction of ``copy_thread``: ``change`` plus whatever must commit with it."""
+        return change
+
+    def _tx_delete_for_runs(self, change: Op[list[str]], run_ids: Sequence[str]) -> Op[list[str]]:
+        """The transaction of ``delete_for_runs``: ``change`` (returns the threads that lost
+        checkpoints) plus whatever must commit with it; returns what ``change`` returns."""
+        return change
 
     def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
         """Called after ``get_tuple``; a session-aware saver may prefetch the thread's KV."""

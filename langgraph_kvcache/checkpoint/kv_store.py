@@ -7,11 +7,14 @@ too, empty, and never queries them):
   the server session id (:func:`~langgraph_kvcache.sessions.session_id_for`) and the last time
   a run used it (unix seconds; drives ``sweep_expired``). The namespace is stored without its
   task ids (``"a|b"``), as the session id is derived from it.
-- ``checkpoint_kv_outbox``: session API calls that could not be made when their database change
-  committed (server down or slow), replayed in ``id`` order (``uuid6``: time-ordered).
+- ``checkpoint_kv_outbox``: session API calls owed to the server, each written in the
+  transaction of the change that owes it and removed once made; replayed in ``id`` order
+  (``uuid6``: time-ordered). Rows stay while the server is down or slow (``attempts``,
+  ``last_error``) and survive the process.
 
 Operations are generators of :class:`~langgraph_kvcache.checkpoint.base.Stmt`, like the
-saver's own, so the sync and async savers run them with their ``_run``.
+saver's own, so the sync and async keepers run them through their saver's runner, alone or
+inside the saver's own transaction (:mod:`.kv_keeper`).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class PendingCall:
     call: SessionCall
     """The call to replay."""
     attempts: int
-    """Failed attempts so far."""
+    """Failed attempts so far (0: not tried yet, or the process died while trying)."""
 
 
 def _upsert(dialect: str) -> Callable[..., Any]:
@@ -154,12 +157,8 @@ def op_threads_without_checkpoints(thread_ids: Sequence[str]) -> Op[list[str]]:
     return [t for t in thread_ids if t not in kept]
 
 
-def op_sweep(
-    delete_threads: Callable[[Sequence[str]], Op[None]], cutoff: float, limit: int
-) -> Op[tuple[list[str], list[str]]]:
-    """Delete up to ``limit`` threads whose every session was last used before ``cutoff``:
-    their checkpoints (``delete_threads``, the saver's own operation) and rows, in one
-    transaction. Returns (thread ids, session ids to drop on the server)."""
+def op_expired(cutoff: float, limit: int) -> Op[list[str]]:
+    """Up to ``limit`` threads (by id) whose every session was last used before ``cutoff``."""
     c = kv_sessions.c
     rows = yield Stmt(
         select(c.thread_id)
@@ -169,16 +168,12 @@ def op_sweep(
         .limit(limit),
         fetch=True,
     )
-    threads = [r["thread_id"] for r in rows]
-    if not threads:
-        return [], []
-    yield from delete_threads(threads)
-    sessions = yield from op_forget(threads)
-    return threads, sessions
+    return [r["thread_id"] for r in rows]
 
 
-def op_enqueue(calls: Sequence[SessionCall], error: str) -> Op[None]:
-    """Append ``calls`` to the outbox, in order."""
+def op_enqueue(calls: Sequence[SessionCall]) -> Op[None]:
+    """Append ``calls`` to the outbox, in order (run it in the transaction of the change that
+    owes them, so they are committed together)."""
     if not calls:
         return
     rows = [
@@ -187,8 +182,8 @@ def op_enqueue(calls: Sequence[SessionCall], error: str) -> Op[None]:
             "op": call.op,
             "session_id": call.session_id,
             "target_id": call.target_id,
-            "attempts": 1,
-            "last_error": error[:500],
+            "attempts": 0,
+            "last_error": None,
         }
         for call in calls
     ]

@@ -1,0 +1,360 @@
+"""The session keeper's logic, written once for the sync and the async saver.
+
+:class:`~.kv_sessions.ThreadSessions` (sync) and :class:`~.kv_sessions_aio.AsyncThreadSessions`
+(async) keep a KV-cache server's sessions in step with a saver's threads (what they do is in
+:mod:`.kv_sessions`). Everything they decide is here, in two forms a driver runs:
+
+- **In-transaction operations** (:data:`~.base.Op`, the saver's own form): the ``_tx_*``
+  lifecycle hooks wrap the saver's change (delete, copy, ...) with the keeper's bookkeeping in
+  the same transaction: the session table rows, and an outbox row for each server call the
+  change owes. Once the change is committed its calls are too: a process killed right after the
+  commit leaves them in the outbox, and the next drain of any process on the database makes them.
+- **Steps** (:data:`Steps`): generators that yield :class:`Sql` (run an operation) and
+  :class:`Request` (call the session API), are sent each result or thrown its error, and return
+  their own result. The sync keeper drives them with a :class:`Runner` and a ``KVCacheClient``,
+  the async one with an async :class:`Runner` and an ``AsyncKVCacheClient``.
+
+A keeper talks to its saver only through a :class:`Runner`; the server only through the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import CheckpointTuple
+
+from langgraph_kvcache.checkpoint import kv_store
+from langgraph_kvcache.checkpoint.base import Mode, Op
+from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
+from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions, Tracker
+from langgraph_kvcache.checkpoint.kv_store import SessionCall
+from langgraph_kvcache.client import (
+    KVCacheClientError,
+    ServerUnavailableError,
+    SessionExistsError,
+    SessionNotFoundError,
+)
+from langgraph_kvcache.sessions import session_id_for, strip_task_ids, thread_session_prefix
+
+__all__ = ["Request", "Runner", "SessionKeeper", "Sql", "Steps", "Warm", "adrive", "drive"]
+
+logger = logging.getLogger("langgraph_kvcache.checkpoint.kv_sessions")
+
+T = TypeVar("T")
+R = TypeVar("R", covariant=True)
+
+DRAIN_BATCH = 100
+"""Outbox rows read per query while draining."""
+
+
+@dataclass(frozen=True)
+class Runner(Generic[R]):
+    """What a keeper needs of its saver's database, and all it gets.
+
+    ``Runner[Any]`` for a sync saver; ``Runner[Awaitable[Any]]`` for an async one.
+    """
+
+    dialect: str
+    """``"sqlite"`` or ``"postgresql"``."""
+    run: Callable[[Op[Any], Mode], R]
+    """Run an operation as one transaction of the given mode and return its result (sync), or
+    an awaitable of it (async); the database's errors propagate, nothing is committed then."""
+    delete_threads: Callable[[Sequence[str]], Op[None]]
+    """The saver's operation that deletes threads' checkpoints, blobs and writes (run by
+    ``sweep_expired`` inside its own transaction)."""
+
+
+@dataclass(frozen=True)
+class Sql:
+    """Step: run ``op`` through the keeper's :class:`Runner`; sent its result."""
+
+    op: Op[Any]
+    mode: Mode = "read"
+
+    def make(self, client: Any, runner: Runner[Any]) -> Any:
+        """Run the operation (an awaitable of its result with an async runner)."""
+        return runner.run(self.op, self.mode)
+
+
+ClientMethod = Literal[
+    "create_session", "update_session", "delete_session", "copy_session", "prefetch"
+]
+
+
+@dataclass(frozen=True)
+class Request:
+    """Step: call ``method`` of the keeper's session API client (sync or async: the two have the
+    same methods); sent its result, or thrown its :class:`~.client.KVCacheClientError`."""
+
+    method: ClientMethod
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def make(self, client: Any, runner: Runner[Any]) -> Any:
+        """Call the client (an awaitable of the result with an async client)."""
+        return getattr(client, self.method)(*self.args, **self.kwargs)
+
+
+Step = Sql | Request
+Steps = Generator[Step, Any, T]
+"""Keeper logic: yields steps, is sent their results (or thrown their errors), returns ``T``."""
+
+
+@dataclass(frozen=True)
+class Warm:
+    """Background work a ``get_tuple`` leaves: drain the outbox (a registration, or a retry is
+    due), then prefetch the session's KV."""
+
+    session_id: str
+    drain: bool
+    prefetch: bool
+
+
+def warm_plan(
+    options: KVSessionOptions, found: CheckpointTuple | None, new: bool
+) -> tuple[bool, bool]:
+    """(register the session, prefetch its KV) after a ``get_tuple``. A thread with no
+    checkpoint has no KV to prefetch; its session is registered only when it will carry the
+    saver's TTL (a ``get_state`` of an unknown thread must not leave an immortal session)."""
+    register = new and (found is not None or options.ttl_seconds is not None)
+    return register, found is not None
+
+
+def thread_key(config: RunnableConfig) -> tuple[str, str]:
+    """(thread id, namespace without task ids) of a ``get_tuple`` config."""
+    configurable = config["configurable"]
+    return str(configurable["thread_id"]), strip_task_ids(configurable.get("checkpoint_ns", ""))
+
+
+def delete_calls(thread_ids: Sequence[str], sessions: Sequence[str]) -> list[SessionCall]:
+    """Drop every recorded session of the threads, and their root session in any case."""
+    ids = dict.fromkeys([*sessions, *(thread_session_prefix(t) for t in thread_ids)])
+    return [SessionCall("delete", sid) for sid in ids]
+
+
+def copy_calls(
+    source: str, target: str, pairs: Sequence[tuple[str, str]]
+) -> tuple[list[SessionCall], list[tuple[str, str]]]:
+    """Fork each of the source's sessions (root included) to the target's; target rows."""
+    namespaces = dict.fromkeys(["", *(ns for _, ns in pairs)])
+    calls = [
+        SessionCall("copy", session_id_for(source, ns), session_id_for(target, ns))
+        for ns in namespaces
+    ]
+    return calls, [(target, ns) for ns in namespaces]
+
+
+def log_unavailable(what: str, exc: Exception) -> None:
+    """The one warning a failed server call leaves (the call itself waits in the outbox)."""
+    logger.warning("KV-cache server unavailable, %s later: %s", what, exc)
+
+
+class SessionKeeper(LifecycleHooks):
+    """The logic both keepers share: the in-transaction hooks and the steps their drivers run.
+
+    A driver subclass implements the ``_after_*`` hooks (drain the outbox the transaction just
+    wrote to), ``get_tuple``'s hook (drive :meth:`_get_tuple_steps`, then run the
+    :class:`Warm` it returns in the background), ``drain`` and ``sweep_expired``; it runs
+    server work (drains, background jobs) one at a time, so a prefetch queued by ``get_tuple``
+    never races the delete that follows it.
+    """
+
+    def __init__(self, runner: Runner[Any], options: KVSessionOptions) -> None:
+        self.runner = runner
+        """The saver's database (see :class:`Runner`)."""
+        self.options = options
+        self._tracker = Tracker(options)
+
+    # -- in-transaction hooks (run by the saver inside its change's transaction) -------------
+
+    def _tx_delete_threads(self, change: Op[T], thread_ids: Sequence[str]) -> Op[T]:
+        result = yield from change
+        yield from self._op_drop(thread_ids)
+        return result
+
+    def _tx_copy_thread(self, change: Op[T], source: str, target: str) -> Op[T]:
+        result = yield from change
+        pairs = yield from kv_store.op_namespaces([source])
+        calls, rows = copy_calls(source, target, pairs)
+        yield from kv_store.op_touch(self.runner.dialect, rows, time.time())
+        yield from self._op_owe(calls)
+        return result
+
+    def _tx_delete_for_runs(self, change: Op[list[str]], run_ids: Sequence[str]) -> Op[list[str]]:
+        threads = yield from change
+        emptied = yield from kv_store.op_threads_without_checkpoints(threads)
+        if emptied:
+            yield from self._op_drop(emptied)
+        return threads
+
+    def _op_sweep(self, limit: int) -> Op[list[str]]:
+        """``sweep_expired``'s transaction: up to ``limit`` threads unused for ``ttl_seconds``
+        lose their checkpoints and session rows, and their sessions are owed a delete."""
+        assert self.options.ttl_seconds is not None
+        cutoff = time.time() - self.options.ttl_seconds
+        threads = yield from kv_store.op_expired(cutoff, limit)
+        if threads:
+            yield from self.runner.delete_threads(threads)
+            yield from self._op_drop(threads)
+        return threads
+
+    def _op_drop(self, thread_ids: Sequence[str]) -> Op[None]:
+        """Forget the threads' session rows and owe a delete of each of their sessions."""
+        sessions = yield from kv_store.op_forget(thread_ids)
+        self._tracker.forget(thread_ids)
+        yield from self._op_owe(delete_calls(thread_ids, sessions))
+
+    def _op_owe(self, calls: Sequence[SessionCall]) -> Op[None]:
+        """Append ``calls`` to the outbox (in the caller's transaction)."""
+        if calls:
+            yield from kv_store.op_enqueue(calls)
+            self._tracker.outbox_pending = True
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _get_tuple_steps(
+        self, config: RunnableConfig, found: CheckpointTuple | None
+    ) -> Steps[Warm | None]:
+        """Record the use (at most once per ``prefetch_interval_s``), owe a registration of a
+        session new to this process; return the background work, if any."""
+        key = thread_key(config)
+        due, new = self._tracker.due(key)
+        register = prefetch = False
+        if due:
+            register, prefetch = warm_plan(self.options, found, new)
+            yield Sql(self._op_use(key, register), "write" if register else "single")
+        drain = register or self._tracker.retry_due()
+        if drain or prefetch:
+            return Warm(session_id_for(*key), drain, prefetch)
+        return None
+
+    def _op_use(self, key: tuple[str, str], register: bool) -> Op[None]:
+        yield from kv_store.op_touch(self.runner.dialect, [key], time.time())
+        if register:
+            yield from self._op_owe([SessionCall("register", session_id_for(*key))])
+
+    def _warm_steps(self, job: Warm) -> Steps[None]:
+        """``get_tuple``'s background work: drain (registrations first), then prefetch."""
+        if job.drain:
+            yield from self._drain_steps()
+        if not job.prefetch:
+            return
+        try:
+            yield Request("prefetch", (job.session_id,))
+        except SessionNotFoundError:
+            pass
+        except KVCacheClientError as exc:
+            logger.warning("prefetch of session %r failed: %s", job.session_id, exc)
+
+    def _drain_steps(self) -> Steps[int]:
+        """Replay the outbox in order until it is empty or the server is unavailable; returns
+        how many calls were made. A call the server refuses (other than a missing session,
+        which is no error) is logged and dropped."""
+        sent = 0
+        while True:
+            rows = yield Sql(kv_store.op_pending(DRAIN_BATCH))
+            if not rows:
+                self._tracker.outbox_pending = False
+                return sent
+            for row in rows:
+                try:
+                    yield from self._call_steps(row.call)
+                except ServerUnavailableError as exc:
+                    log_unavailable(f"{len(rows)}+ pending session calls retried", exc)
+                    yield Sql(kv_store.op_failed(row.id, str(exc)), "single")
+                    self._tracker.outbox_pending = True
+                    return sent
+                except KVCacheClientError as exc:
+                    logger.warning("dropping session call %s: %s", row.call, exc)
+                yield Sql(kv_store.op_done(row.id), "single")
+                sent += 1
+
+    def _call_steps(self, call: SessionCall) -> Steps[None]:
+        """Make one call; a missing session is no error (nothing cached yet, or gone)."""
+        try:
+            if call.op == "delete":
+                yield Request("delete_session", (call.session_id,))
+            elif call.op == "copy":
+                # The target thread was empty in SQL, so a session under its id is stale.
+                args = (call.session_id, call.target_id)
+                yield Request("copy_session", args, {"overwrite": True})
+            else:
+                ttl = self.options.ttl_seconds
+                try:
+                    yield Request("create_session", (call.session_id,), {"ttl_seconds": ttl})
+                except SessionExistsError:
+                    if ttl is not None:
+                        yield Request("update_session", (call.session_id,), {"ttl_seconds": ttl})
+        except SessionNotFoundError:
+            return
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a step came to: its value, or the error it raised."""
+
+    value: Any = None
+    error: Exception | None = None
+
+
+def _outcome(step: Step, client: Any, runner: Runner[Any]) -> Outcome:
+    try:
+        return Outcome(step.make(client, runner))
+    except Exception as exc:  # for the steps to handle or re-raise
+        return Outcome(error=exc)
+
+
+async def _aoutcome(step: Step, client: Any, runner: Runner[Any]) -> Outcome:
+    try:
+        return Outcome(await step.make(client, runner))
+    except Exception as exc:  # for the steps to handle or re-raise
+        return Outcome(error=exc)
+
+
+def drive(steps: Steps[T], client: Any, runner: Runner[Any]) -> T:
+    """Run keeper steps to their result: SQL through a sync ``runner``, requests through a
+    ``KVCacheClient``. Raises what the steps do not handle."""
+    run = StepRun(steps)
+    while run.step is not None:
+        run.answer(_outcome(run.step, client, runner))
+    return run.result
+
+
+async def adrive(steps: Steps[T], client: Any, runner: Runner[Awaitable[Any]]) -> T:
+    """:func:`drive` for an async ``runner`` and an ``AsyncKVCacheClient``."""
+    run = StepRun(steps)
+    while run.step is not None:
+        run.answer(await _aoutcome(run.step, client, runner))
+    return run.result
+
+
+class StepRun(Generic[T]):
+    """One run of keeper steps by a driver, which loops while :attr:`step` is not ``None``:
+    it makes the step and hands its :class:`Outcome` to :meth:`answer`; :attr:`result` holds
+    what the steps returned. Errors the steps do not handle propagate from :meth:`answer`."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self.step: Step | None = None
+        self.result: T
+        self._advance(lambda: next(steps))
+
+    def answer(self, done: Outcome) -> None:
+        """Send the step's value to the steps, or throw its error into them."""
+        if done.error is not None:
+            error = done.error
+            self._advance(lambda: self._steps.throw(error))
+        else:
+            self._advance(lambda: self._steps.send(done.value))
+
+    def _advance(self, resume: Callable[[], Step]) -> None:
+        try:
+            self.step = resume()
+        except StopIteration as stop:
+            self.step = None
+            self.result = stop.value
