@@ -38,3 +38,11 @@ class ThreadNotEmptyError(CheckpointerError, ValueError):
 
     Delete the target thread first (``delete_thread``) or copy to a new thread id.
     """
+
+
+class UnstorableValueError(CheckpointerError, ValueError):
+    """A value cannot be stored by the checkpointer's database as given.
+
+    Raised before any SQL runs, e.g. for checkpoint metadata holding NUL characters on
+    PostgreSQL (its JSONB text cannot hold them); the message says what to change.
+    """

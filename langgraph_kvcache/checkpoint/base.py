@@ -41,7 +41,7 @@ from sqlalchemy import (
     update,
 )
 
-from langgraph_kvcache.checkpoint import codec, gc, queries
+from langgraph_kvcache.checkpoint import codec, filters, gc, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState, MissingItems
@@ -227,13 +227,19 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
                 where.append(c.checkpoint_ns == ns)
             if checkpoint_id := get_checkpoint_id(config):
                 where.append(c.checkpoint_id == checkpoint_id)
-        if filter:
-            where.extend(queries.metadata_matches(self.dialect, filter))
+        matcher = filters.MetadataFilter(self.dialect, filter or {})
+        if matcher.never:
+            return []
+        where.extend(matcher.clauses)
         if before is not None and (before_id := get_checkpoint_id(before)):
             where.append(c.checkpoint_id < before_id)
-        stmt = queries.checkpoint_rows(self.dialect, where, None if limit is None else int(limit))
+        n = None if limit is None else int(limit)
+        stmt = queries.checkpoint_rows(self.dialect, where, None if matcher.python else n)
         rows = yield Stmt(stmt, fetch=True)
-        return (yield from self._op_load(rows))
+        found = yield from self._op_load(rows)
+        if matcher.python:
+            found = [t for t in found if matcher.matches(t.metadata)][:n]
+        return found
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -247,6 +253,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         """The rows of a ``put`` and how to run them: one statement on PostgreSQL unless it
         carries more than ``queries.PUT_INLINE_ITEMS`` new list items."""
         md = get_serializable_checkpoint_metadata(config, metadata)
+        filters.check_storable(self.dialect, md)
         rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions, self.lists)
         if self.dialect == "postgresql":
             mode: Mode = "single" if len(rows.item_rows) <= queries.PUT_INLINE_ITEMS else "write"
@@ -330,7 +337,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
             yield from self._op_delete_threads(thread_ids)
             return
         c = checkpoints.c
-        uses_delta = queries.has_metadata_key(self.dialect, "counters_since_delta_snapshot")
+        uses_delta = filters.has_metadata_key(self.dialect, "counters_since_delta_snapshot")
         delta = yield Stmt(
             select(c.thread_id).where(c.thread_id.in_(thread_ids), uses_delta).distinct(),
             fetch=True,

@@ -25,7 +25,6 @@ executemany inside a transaction.
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from typing import Any
 
@@ -40,11 +39,9 @@ from sqlalchemy import (
     null,
     select,
     true,
-    type_coerce,
     union,
     union_all,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -364,36 +361,3 @@ def insert_writes(dialect: str, n_writes: int, upsert: bool) -> Any:
     """Insert ``n_writes`` write rows. ``upsert`` (all writes special) replaces an existing write
     at the same key; otherwise the existing one is kept, as in the PostgreSQL saver."""
     return _rows(dialect, writes, _WRITE_COLUMNS, n_writes, _upsert_write if upsert else _keep)
-
-
-# -- metadata filters ------------------------------------------------------------------------
-
-
-def metadata_matches(dialect: str, filter: dict[str, Any]) -> list[Any]:
-    """WHERE clauses for ``list(filter=...)``: JSONB containment on PostgreSQL (as the
-    PostgreSQL saver); on SQLite, ``json_extract`` equality per key (nested values compared
-    as whole JSON documents)."""
-    col = checkpoints.c.metadata
-    if dialect == "postgresql":
-        return [type_coerce(col, postgresql.JSONB).contains(filter)]
-    clauses = []
-    for key, value in filter.items():
-        path = '$."' + key.replace('"', '""') + '"'
-        extracted = func.json_extract(col, path)
-        if value is None:
-            clauses.append(func.json_type(col, path) == "null")
-        elif isinstance(value, bool):
-            clauses.append(func.json_type(col, path) == ("true" if value else "false"))
-        elif isinstance(value, (dict, list)):
-            clauses.append(extracted == func.json(json.dumps(value)))
-        else:
-            clauses.append(extracted == value)
-    return clauses
-
-
-def has_metadata_key(dialect: str, key: str) -> Any:
-    """A clause true for checkpoints whose metadata has ``key``."""
-    col = checkpoints.c.metadata
-    if dialect == "postgresql":
-        return type_coerce(col, postgresql.JSONB).has_key(key)
-    return func.json_type(col, "$." + key).is_not(None)
