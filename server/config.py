@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from langgraph_kvcache.contract import InvalidTTL, check_ttl
 from server.options import (
     ConfigError,
     Setting,
@@ -219,6 +220,11 @@ class ServerConfig:
                 f"--kv-offload-dtype/LGKV_KV_OFFLOAD_DTYPE must be one of "
                 f"{', '.join(KV_OFFLOAD_DTYPES)}; got {self.kv_offload_dtype!r}"
             )
+        if self.kv_session_ttl is not None:
+            try:
+                check_ttl(self.kv_session_ttl, field="--kv-session-ttl/LGKV_KV_SESSION_TTL")
+            except InvalidTTL as exc:
+                raise ConfigError(str(exc)) from None
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key/LGKV_API_KEY must not contain empty keys")
 

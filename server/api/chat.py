@@ -132,6 +132,9 @@ class SessionRequestMiddleware:
                 return
             await error_response(401, UNAUTHORIZED)(scope, receive, send)
             return
+        if method == "OPTIONS" and "access-control-request-method" not in headers:
+            await _options(scope, receive, send)  # CORS preflights go on to vLLM's CORS layer
+            return
         if scope["type"] != "http" or method in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
@@ -201,6 +204,25 @@ class SessionRequestMiddleware:
         limit = self.max_body_bytes
         msg = f"request body over {limit} bytes; send less (the server's --max-body-bytes)"
         await error_response(413, msg)(scope, receive, send)
+
+
+async def _options(scope: Scope, receive: Receive, send: Send) -> None:
+    """``OPTIONS path``: 204 with an ``Allow`` header naming every method the path serves
+    (all routes of the path together, which Starlette's 405 does not), 404 if none."""
+    from starlette.responses import Response
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    router = getattr(scope.get("app"), "router", None)
+    for route in getattr(router, "routes", ()):
+        match, _ = route.matches({**scope, "method": "GET"})
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    if not methods:
+        await error_response(404, f"{scope['path']} is not served here")(scope, receive, send)
+        return
+    allow = ", ".join(sorted(methods | {"OPTIONS"}))
+    await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -23,6 +23,8 @@ not the API process, and that loop sleeps while it has no requests. Two channels
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +45,8 @@ from langgraph_kvcache.contract import (
 from server.kv.registry import Registry, SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
 from server.kv.tiers.disk import remove_block_files
+
+log = logging.getLogger(__name__)
 
 _COUNTERS = (
     'lgkv_hit_blocks_total{tier="ram"}',
@@ -110,7 +114,8 @@ class SessionControl:
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
         self._purge()
-        return [self._info(r) for r in self.registry.list_sessions(tenant, limit, offset)]
+        rows = self.registry.list_sessions(tenant, limit, offset)
+        return [self._info(r) for r in rows if _readable(r)]
 
     def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
@@ -225,7 +230,7 @@ class SessionControl:
 
     def _row(self, session_id: str, tenant: str) -> SessionRow:
         row = self.registry.get_session(tenant, session_id)
-        if row is None:
+        if row is None or not _readable(row):
             raise SessionNotFound(f"session {session_id!r} not found")
         return row
 
@@ -253,3 +258,16 @@ class SessionControl:
             remove_block_files(self.disk_dir, keys)
             self.registry.add_drops(keys)
 
+
+def _readable(row: SessionRow) -> bool:
+    """False (and one warning) for a stored row no answer can carry: a non-finite time or TTL
+    (written by an older version); such a session is skipped, never breaks a listing."""
+    values = (row.created_at, row.last_used_at, row.ttl_seconds)
+    if all(v is None or math.isfinite(v) for v in values):
+        return True
+    log.warning(
+        "session registry: skipping session %r of tenant %r: non-finite time or TTL %r "
+        "(delete it with DELETE /v1/sessions/%s)",
+        row.id, row.tenant, values, row.id,
+    )  # fmt: skip
+    return False

@@ -160,3 +160,23 @@ def test_no_kv_offload_session_api_is_503(start_server: ServerFactory) -> None:
             },
         )
         assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("ttl", [b"1e999", b"Infinity", b"NaN", b"-5", b"0", b"1e-05", b"1e12"])
+def test_bad_ttl_is_refused_and_nothing_is_stored(lgkv_server: ServerProcess, ttl: bytes) -> None:
+    body = b'{"id": "ttl-poison", "ttl_seconds": ' + ttl + b"}"
+    headers = {"content-type": "application/json"}
+    with lgkv_server.client() as c:
+        r = c.post("/v1/sessions", content=body, headers=headers)
+        assert r.status_code == 422, r.text
+        assert "ttl_seconds" in r.json()["error"]["message"]
+        assert c.get("/v1/sessions/ttl-poison").status_code == 404
+        assert c.get("/v1/sessions").status_code == 200
+        assert c.post("/v1/sessions", json={"id": "ttl-ok", "ttl_seconds": 60}).status_code in (
+            201,
+            409,
+        )
+        patched = c.patch("/v1/sessions/ttl-ok", content=b'{"ttl_seconds": ' + ttl + b"}",
+                          headers=headers)  # fmt: skip
+        assert patched.status_code == 422, patched.text
+        assert c.get("/v1/sessions/ttl-ok").json()["ttl_seconds"] == 60

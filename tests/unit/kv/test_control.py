@@ -123,3 +123,33 @@ def test_prefetch_without_engine_and_metrics(control: SessionControl) -> None:
     m = control.metrics()
     assert m["lgkv_saved_blocks_total"] == 5 and m['lgkv_tier_bytes{tier="ram"}'] == 7
     assert m["lgkv_sessions"] == 1 and m['lgkv_hit_blocks_total{tier="disk"}'] == 0
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), -1.0, 0.0, 1e-05, 1e999, 4e7])
+def test_bad_ttls_are_refused_before_anything_is_written(
+    control: SessionControl, ttl: float
+) -> None:
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        control.create("s", "t", ttl_seconds=ttl)
+    assert control.list("t") == []
+    control.create("s", "t", ttl_seconds=60)
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        control.update("s", "t", ttl_seconds=ttl)
+    assert control.get("s", "t").ttl_seconds == 60
+
+
+def test_a_bad_stored_row_is_skipped_with_a_warning(
+    control: SessionControl, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sqlite3
+
+    control.create("good", "t", ttl_seconds=60)
+    control.create("bad", "t", ttl_seconds=60)
+    with sqlite3.connect(tmp_path / "sessions.sqlite3") as db:  # as an older version wrote it
+        db.execute("UPDATE sessions SET ttl_seconds = 9e999 WHERE id = 'bad'")
+    with caplog.at_level("WARNING"):
+        assert [s.id for s in control.list("t")] == ["good"]
+    assert "skipping session 'bad'" in caplog.text
+    with pytest.raises(SessionNotFound):
+        control.get("bad", "t")
+    assert control.delete("bad", "t") == 0  # and it can still be deleted

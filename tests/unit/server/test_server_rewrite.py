@@ -193,3 +193,11 @@ async def test_middleware_counts_streamed_bodies_without_content_length() -> Non
     async with _client(max_body=2048) as c:
         r = await c.post("/v1/sessions", content=chunks())
     assert r.status_code == 413
+
+
+async def test_options_lists_every_method_of_the_path_without_a_key() -> None:
+    async with _client(keys=("secret",)) as c:
+        r = await c.options("/v1/sessions")
+        assert r.status_code == 204
+        assert r.headers["allow"] == "OPTIONS, POST"
+        assert (await c.options("/nowhere")).status_code == 404
