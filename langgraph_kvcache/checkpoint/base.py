@@ -26,7 +26,6 @@ from langgraph.checkpoint.base import (
     CheckpointMetadata,
     CheckpointTuple,
     DeltaChannelHistory,
-    PendingWrite,
     get_checkpoint_id,
     get_serializable_checkpoint_metadata,
 )
@@ -41,7 +40,7 @@ from sqlalchemy import (
     update,
 )
 
-from langgraph_kvcache.checkpoint import codec, filters, gc, queries
+from langgraph_kvcache.checkpoint import codec, delta, filters, gc, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState, MissingItems
@@ -181,35 +180,8 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
     def _op_delta_history(
         self, config: RunnableConfig, channels: Sequence[str]
     ) -> Op[dict[str, DeltaChannelHistory]]:
-        """``get_delta_channel_history`` on one connection: the base class's parent-chain walk
-        (writes per channel, newest ancestor first, up to the nearest stored value), with each
-        ancestor read by the one-statement ``get_tuple`` query and no lifecycle hooks."""
-        if not channels:
-            return {}
-        collected: dict[str, list[PendingWrite]] = {ch: [] for ch in channels}
-        seeds: dict[str, Any] = {}
-        remaining = set(channels)
-        target = yield from self._op_get_tuple(config)
-        cursor = target.parent_config if target else None
-        while cursor is not None and remaining:
-            found = yield from self._op_get_tuple(cursor)
-            if found is None:
-                break
-            for write in reversed(found.pending_writes or []):
-                if write[1] in remaining:
-                    collected[write[1]].append(write)
-            for ch in list(remaining):
-                if ch in found.checkpoint["channel_values"]:
-                    seeds[ch] = found.checkpoint["channel_values"][ch]
-                    remaining.discard(ch)
-            cursor = found.parent_config
-        result: dict[str, DeltaChannelHistory] = {}
-        for ch in channels:
-            entry: DeltaChannelHistory = {"writes": list(reversed(collected[ch]))}
-            if ch in seeds:
-                entry["seed"] = seeds[ch]
-            result[ch] = entry
-        return result
+        """``get_delta_channel_history`` in one query (:mod:`.delta`); no lifecycle hooks."""
+        return (yield from delta.op_delta_history(self, config, channels))
 
     def _op_list(
         self,

@@ -50,30 +50,43 @@ from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items, write
 KIND_CHECKPOINT, KIND_BLOB, KIND_WRITE = 0, 1, 2
 
 
+CHECKPOINT_COLUMNS = (
+    "thread_id",
+    "checkpoint_ns",
+    "checkpoint_id",
+    "parent_checkpoint_id",
+    "type",
+    "checkpoint",
+    "metadata",
+    "blob_versions",
+)
+"""The checkpoint columns the union reads (its ``wanted`` selection must have them)."""
+
+
 def checkpoint_rows(
-    dialect: str, where: list[Any], limit: Any | None, *, one: bool = False
+    dialect: str,
+    where: list[Any],
+    limit: Any | None,
+    *,
+    one: bool = False,
+    wanted: Any | None = None,
+    channels: list[Any] | None = None,
 ) -> Select[Any]:
     """The union described in the module docstring for checkpoints matching ``where``.
 
     ``one``: at most one checkpoint matches, so no two blob references share a chain and the
-    chain rows need no ``DISTINCT``."""
+    chain rows need no ``DISTINCT``. ``wanted``: a selection of :data:`CHECKPOINT_COLUMNS` to
+    use instead of ``where`` and ``limit``. ``channels``: only the blobs and writes of these
+    channels (SQL expressions, e.g. bind parameters)."""
     ck = checkpoints.c
-    wanted = (
-        select(
-            ck.thread_id,
-            ck.checkpoint_ns,
-            ck.checkpoint_id,
-            ck.parent_checkpoint_id,
-            ck.type,
-            ck.checkpoint,
-            ck.metadata,
-            ck.blob_versions,
+    if wanted is None:
+        wanted = (
+            select(*(ck[name] for name in CHECKPOINT_COLUMNS))
+            .where(*where)
+            .order_by(ck.checkpoint_id.desc())
         )
-        .where(*where)
-        .order_by(ck.checkpoint_id.desc())
-    )
-    if limit is not None:
-        wanted = wanted.limit(limit)
+        if limit is not None:
+            wanted = wanted.limit(limit)
     c = wanted.cte("c")
     if dialect == "postgresql":
         each = func.jsonb_each_text(c.c.blob_versions).table_valued("key", "value")
@@ -88,6 +101,7 @@ def checkpoint_rows(
         )
         .select_from(c)
         .join(each, true())
+        .where(*([each.c.key.in_(channels)] if channels is not None else []))
         .distinct()
         .subquery("r")
     )
@@ -136,6 +150,8 @@ def checkpoint_rows(
         & (w.checkpoint_ns == c.c.checkpoint_ns)
         & (w.checkpoint_id == c.c.checkpoint_id),
     )
+    if channels is not None:
+        write_part = write_part.where(w.channel.in_(channels))
     return union_all(checkpoint_part, blob_part, write_part)  # type: ignore[return-value]
 
 
