@@ -94,6 +94,8 @@ def build_manifest(
         layers=layers,
         layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
         hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
+        offload_dtype=settings.offload_dtype,
+        kv_heads=int(getattr(spec, "num_kv_heads", 1)),  # where int8/fp8 scales go
     )
 
 
@@ -153,11 +155,13 @@ class SessionKVConnector(KVConnectorBase_V1):
                 file_bytes=store.file_bytes if store else manifest.block_bytes,
                 disk_files=_files_at_start(store, self.settings),
                 redis=redis,
+                compression_ratio=manifest.block_format.ratio,
             )
             log.info(
-                "SessionKVConnector: %d RAM slots of %d bytes, disk %s (%d bytes budget)",
+                "SessionKVConnector: %d RAM slots of %d bytes (%s), disk %s (%d bytes budget)",
                 num_slots,
                 manifest.block_bytes,
+                manifest.offload_dtype,
                 store.root if store else "off",
                 self.settings.disk_bytes,
             )
@@ -168,6 +172,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 layer_block_bytes=list(manifest.layer_block_bytes),
                 store=store,
                 redis=redis,
+                block_format=manifest.block_format,
             )
         self._usage = LoadAccounting(manifest.block_size)
         self._disk_space: DiskSpace | None = None

@@ -72,8 +72,11 @@ class SessionKVScheduler:
         disk_files: dict[str, int],
         registry: Registry | None = None,
         redis: RedisStore | None = None,
+        compression_ratio: float = 1.0,
     ) -> None:
         self.settings = settings
+        self.compression_ratio = compression_ratio
+        """Engine bytes over stored bytes of a block (``--kv-offload-dtype``), a gauge."""
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
@@ -311,6 +314,8 @@ class SessionKVScheduler:
             k: (*self.index.location(k), k in self._redis_until, self.block_bytes) for k in dirty
         }
         gauges = self.index.gauges(self.block_bytes, redis_blocks=len(self._redis_until))
+        fmt = self.settings.offload_dtype
+        gauges[f'lgkv_kv_compression_ratio{{format="{fmt}"}}'] = self.compression_ratio
         counters = dict(self._counters)
         for tier, n in self.index.evicted.items():
             counters[f'lgkv_evicted_blocks_total{{tier="{tier}"}}'] = float(n)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.kv.formats import OFFLOAD_DTYPES
+
 REGISTRY_FILE = "sessions.sqlite3"
 """File name of the session registry inside ``cache_dir``."""
 
@@ -45,6 +47,10 @@ class ConnectorSettings:
 
     model_id: str = ""
     """Served model name or path, recorded in the disk manifest."""
+
+    offload_dtype: str = "auto"
+    """Stored format of blocks in every tier (:data:`server.kv.formats.OFFLOAD_DTYPES`);
+    ``auto`` keeps the engine's dtype. Recorded in the manifest; budgets count stored bytes."""
 
     stats_flush_s: float = 1.0
     """Minimum seconds between two flushes of the engine's counters to the registry."""
@@ -84,6 +90,12 @@ class ConnectorSettings:
         model_id = extra.get("model_id", "")
         if not isinstance(model_id, str):
             raise SettingsError("kv_connector_extra_config['model_id'] must be a string")
+        offload_dtype = extra.get("offload_dtype") or "auto"
+        if offload_dtype not in OFFLOAD_DTYPES:
+            raise SettingsError(
+                f"kv_connector_extra_config['offload_dtype'] must be one of "
+                f"{', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}"
+            )
         return cls(
             cache_dir=root,
             disk_dir=disk_dir,
@@ -92,6 +104,7 @@ class ConnectorSettings:
             redis_url=redis_url or None,
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
+            offload_dtype=offload_dtype,
             redis_ttl_s=_positive_float(extra, "redis_ttl_s", 3600.0),
             stats_flush_s=_positive_float(extra, "stats_flush_s", 1.0),
             default_gap_s=_positive_float(extra, "default_gap_s", 60.0),

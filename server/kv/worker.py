@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.kv.codec import BlockCodec
+from server.kv.formats import BlockFormat
 from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
 from server.kv.tiers.disk import DiskStore
-from server.kv.tiers.ram import RamPool
+from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,11 @@ class _Read:
 
 
 class SessionKVWorker:
-    """Holds the RAM pool, the views of vLLM's KV cache and the disk I/O thread."""
+    """Holds the RAM pool, the views of vLLM's KV cache and the disk I/O thread.
+
+    ``block_format`` is the stored format of every tier (``None``: ``auto``, the engine's
+    dtype); blocks are encoded when they leave the paged cache and decoded when they return.
+    """
 
     def __init__(
         self,
@@ -65,12 +71,15 @@ class SessionKVWorker:
         layer_block_bytes: list[int],
         store: DiskStore | None,
         redis: RedisStore | None = None,
+        block_format: BlockFormat | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.layers = layers
         self.layer_block_bytes = layer_block_bytes
         self.store = store
         self.redis = redis
+        self.block_format = block_format
+        self.codec: BlockCodec | None = None
         self.pool: RamPool | None = None
         self.kv: list[torch.Tensor] = []
         self._report = WorkerReport()
@@ -89,7 +98,6 @@ class SessionKVWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Keep block-first views of every layer's cache and allocate the RAM pool."""
         views: list[torch.Tensor] = []
-        shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
         for name, expected in zip(self.layers, self.layer_block_bytes, strict=False):
             if name not in kv_caches:
                 raise RuntimeError(f"SessionKVConnector: no KV cache tensor for layer {name!r}")
@@ -108,10 +116,13 @@ class SessionKVWorker:
                     f"scheduler side expects {expected}; the KV cache layout is not supported"
                 )
             views.append(view)
-            shapes.append((tuple(view.shape[1:]), view.dtype))
         self.kv = views
+        fmt = self.block_format or BlockFormat(
+            "auto", str(views[0].dtype), tuple(self.layer_block_bytes)
+        )
+        self.codec = BlockCodec(fmt, [tuple(v.shape[1:]) for v in views])
         if self.num_slots:
-            self.pool = RamPool(self.num_slots, shapes)
+            self.pool = RamPool(self.num_slots, self.codec)
 
     # ------------------------------------------------------------------- steps
 
@@ -197,7 +208,8 @@ class SessionKVWorker:
     def _buffer(self, slot: int) -> torch.Tensor:
         if slot != NO_SLOT and self.pool is not None:
             return self.pool.slot(slot)
-        return torch.empty(sum(self.layer_block_bytes), dtype=torch.uint8)
+        size = self.codec.format.block_bytes if self.codec else sum(self.layer_block_bytes)
+        return torch.empty(size, dtype=torch.uint8)
 
     def _queue_read(self, read: _Read) -> None:
         self._jobs.put_read(("read", read))
@@ -213,8 +225,8 @@ class SessionKVWorker:
             load = self._loads.get(read.req_id)
             if read.error is None and self.pool is not None:
                 self.pool.load_bytes(self.kv, read.buffer, read.item.block_id)
-            elif read.error is None:
-                _load_bytes_without_pool(self.kv, read.buffer, read.item.block_id)
+            elif read.error is None and self.codec is not None:
+                load_block_bytes(self.codec, self.kv, read.buffer, read.item.block_id)
             elif load is not None:
                 load.failed_blocks.add(read.item.block_id)
             if load is not None:
@@ -319,12 +331,3 @@ class _JobQueue:
             if self._jobs:
                 return self._jobs.popleft()
             return None
-
-
-def _load_bytes_without_pool(kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
-    offset = 0
-    for layer in kv:
-        block = layer[block_id]
-        size = block.numel() * block.element_size()
-        block.copy_(data[offset : offset + size].view(block.dtype).view(block.shape))
-        offset += size

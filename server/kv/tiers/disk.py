@@ -2,15 +2,17 @@
 
 Layout under ``disk_dir``::
 
-    <fingerprint>/manifest.json          model, weights, dtype, block size, layers, hash scheme
+    <fingerprint>/manifest.json          model, weights, dtype, block size, layers, hash scheme,
+                                         stored format (``--kv-offload-dtype``)
     <fingerprint>/ab/cd/<key>.kvb        header + raw block bytes
 
 The fingerprint is a hash of the manifest, so a restart with the same model reuses the files
-and a changed model (or dtype, block size, hash seed) gets a fresh folder and ignores the old
-one. A block file is written to a temp name, fsynced and renamed, so a reader sees a whole file
-or none. Reading checks the magic, the key, the length and a CRC32 of the payload; any defect
-raises :class:`BlockFileError` (the caller treats it as a miss). No torch here: the worker hands
-in and gets back plain buffers.
+and a changed model (or dtype, block size, hash seed, stored format) gets a fresh folder and
+ignores the old one: a block stored as int8 is never read as float16. A block file is written
+to a temp name, fsynced and renamed, so a reader sees a whole file or none. Reading checks the
+magic, the key, the length and a CRC32 of the payload; any defect raises
+:class:`BlockFileError` (the caller treats it as a miss). No torch here: the worker hands in and
+gets back plain buffers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from server.kv.formats import SCALE_SCHEME, SCALED, BlockFormat
 from server.kv.keys import block_path, check_key, key_from_path
 
 log = logging.getLogger(__name__)
@@ -56,18 +59,46 @@ class Manifest:
     """Bytes of one block of each layer."""
     hash_scheme: str
     """vLLM's prefix hash algorithm and the hex of its NONE_HASH seed block."""
+    offload_dtype: str = "auto"
+    """Stored format of the blocks (:data:`server.kv.formats.OFFLOAD_DTYPES`)."""
+    kv_heads: int = 1
+    """KV heads per layer (where ``int8``/``fp8`` scales go)."""
     weights: str = ""
     """Fingerprint of the weight files (:func:`server.kv.weights.weights_fingerprint`): other
     weights in the same folder, with the same config, never reuse these blocks."""
 
     @property
+    def block_format(self) -> BlockFormat:
+        """The stored format and its sizes."""
+        scaled = self.offload_dtype in SCALED
+        return BlockFormat(
+            self.offload_dtype,
+            self.dtype.removeprefix("torch."),
+            self.layer_block_bytes,
+            kv_heads=self.kv_heads if scaled else 1,
+            block_tokens=self.block_size if scaled else 1,
+        )
+
+    @property
     def block_bytes(self) -> int:
-        """Payload bytes of one block (all layers)."""
-        return sum(self.layer_block_bytes)
+        """Payload bytes of one block (all layers) as stored: what the budgets count."""
+        if self.offload_dtype == "auto":
+            return sum(self.layer_block_bytes)
+        return self.block_format.block_bytes
 
     def fingerprint(self) -> str:
-        """16 hex chars naming the folder of this layout."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        """16 hex chars naming the folder of this layout (and the Redis key prefix).
+
+        ``auto`` manifests hash as before the format existed, so their files stay valid; scaled
+        formats add :data:`~server.kv.formats.SCALE_SCHEME`."""
+        fields: dict[str, object] = asdict(self)
+        if self.offload_dtype == "auto":
+            del fields["offload_dtype"], fields["kv_heads"]
+        elif self.offload_dtype in SCALED:
+            fields["scales"] = SCALE_SCHEME
+        else:
+            del fields["kv_heads"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,66 +1,91 @@
 """The RAM tier: one preallocated byte pool of ``num_slots`` blocks (pinned with CUDA).
 
-Slot ``s`` holds one block of every layer back to back (the same bytes a disk file holds).
-The pool is viewed per layer as ``[num_slots, *block_shape]`` of the KV dtype, so copies
-to and from vLLM's paged cache are single indexed copies per layer.
+Slot ``s`` holds one block of every layer back to back in the stored format of the
+:class:`~server.kv.codec.BlockCodec` (the same bytes a disk file holds): per layer its stored
+elements, then its scales (``int8``/``fp8``). The pool is viewed per layer as ``uint8
+[num_slots, data_bytes]`` and ``float32 [num_slots, groups]``, so a save or load of a batch of
+blocks is one encode or decode and one indexed copy per layer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from server.kv.codec import BlockCodec
+
 
 class RamPool:
     """The worker's RAM blocks; the scheduler side decides which slot holds what."""
 
-    def __init__(
-        self, num_slots: int, layer_shapes: list[tuple[tuple[int, ...], torch.dtype]]
-    ) -> None:
-        sizes = [
-            _numel(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in layer_shapes
-        ]
-        self.block_bytes = sum(sizes)
+    def __init__(self, num_slots: int, codec: BlockCodec) -> None:
+        self.codec = codec
+        self.block_bytes = codec.format.block_bytes
         self.num_slots = num_slots
         pin = torch.cuda.is_available()
         self.buffer = torch.zeros(
             (max(num_slots, 1), self.block_bytes), dtype=torch.uint8, pin_memory=pin
         )
-        self.layers: list[torch.Tensor] = []
-        self.offsets: list[tuple[int, int]] = []
+        self.offsets: list[tuple[int, int, int]] = []
+        """Per layer: (offset in the slot, data bytes, scale bytes)."""
+        self.data: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor | None] = []
         offset = 0
-        for (shape, dtype), size in zip(layer_shapes, sizes, strict=False):
-            view = self.buffer[:, offset : offset + size].view(dtype)
-            self.layers.append(view.view(self.buffer.shape[0], *shape))
-            self.offsets.append((offset, size))
-            offset += size
+        for i in range(len(codec.layer_shapes)):
+            data = codec.data_bytes(i)
+            scale = codec.format.stored_layer_bytes(i) - data
+            self.offsets.append((offset, data, scale))
+            self.data.append(self.buffer[:, offset : offset + data])
+            self.scales.append(_scales(self.buffer, offset + data, scale))
+            offset += data + scale
 
     def slot(self, slot: int) -> torch.Tensor:
         """The bytes of one slot (a 1-D uint8 view)."""
         return self.buffer[slot]
 
     def save(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
-        """Copy paged blocks into slots (``kv``: per-layer views with the block dim first)."""
+        """Encode paged blocks into slots (``kv``: per-layer views with the block dim first)."""
         src = torch.tensor(block_ids, dtype=torch.long)
         dst = torch.tensor(slots, dtype=torch.long)
-        for pool, layer in zip(self.layers, kv, strict=False):
-            pool[dst] = layer[src.to(layer.device)].to(pool.device)
+        for i, layer in enumerate(kv):
+            data, scales = self.codec.encode(layer[src.to(layer.device)])  # on the cache's device
+            self.data[i][dst] = data.to(self.buffer.device)
+            pool_scales = self.scales[i]
+            if pool_scales is not None and scales is not None:
+                pool_scales[dst] = scales.to(self.buffer.device)
 
     def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
-        """Copy slots into paged blocks."""
+        """Decode slots into paged blocks."""
         src = torch.tensor(slots, dtype=torch.long)
         dst = torch.tensor(block_ids, dtype=torch.long)
-        for pool, layer in zip(self.layers, kv, strict=False):
-            layer[dst.to(layer.device)] = pool[src].to(layer.device)
+        for i, layer in enumerate(kv):
+            dev = layer.device
+            pool_scales = self.scales[i]
+            scales = pool_scales[src].to(dev) if pool_scales is not None else None
+            layer[dst.to(dev)] = self.codec.decode(i, self.data[i][src].to(dev), scales)
 
     def load_bytes(self, kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
-        """Copy one block held in a plain byte tensor (pool layout) into a paged block."""
-        for (offset, size), pool, layer in zip(self.offsets, self.layers, kv, strict=False):
-            part = data[offset : offset + size].view(pool.dtype).view(pool.shape[1:])
-            layer[block_id].copy_(part)
+        """Decode one block held in a plain byte tensor (slot layout) into a paged block."""
+        load_block_bytes(self.codec, kv, data, block_id)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def load_block_bytes(
+    codec: BlockCodec, kv: list[torch.Tensor], data: torch.Tensor, block_id: int
+) -> None:
+    """Decode one stored block (``uint8 [block_bytes]``, slot layout) into paged block
+    ``block_id`` of every layer of ``kv``."""
+    offset = 0
+    for i, layer in enumerate(kv):
+        size = codec.data_bytes(i)
+        scale_bytes = codec.format.stored_layer_bytes(i) - size
+        values = data[offset : offset + size].view(1, size)
+        scales = _scales(data.view(1, -1), offset + size, scale_bytes)
+        block = codec.decode(i, values, scales)[0]
+        layer[block_id].copy_(block)
+        offset += size + scale_bytes
+
+
+def _scales(buffer: torch.Tensor, start: int, nbytes: int) -> torch.Tensor | None:
+    """A float32 ``[rows, nbytes / 4]`` view of ``buffer[:, start:start + nbytes]``."""
+    if nbytes == 0:
+        return None
+    return buffer[:, start : start + nbytes].view(torch.float32).view(buffer.shape[0], -1)

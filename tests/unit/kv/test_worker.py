@@ -81,7 +81,8 @@ def test_disk_roundtrip_async_and_corruption(tmp_path: Path) -> None:
     assert finished == {"r"} and errors == {11}  # block 11 is recomputed by vLLM
     for n in LAYERS:
         assert torch.equal(kv[n][10], expected[0][n])
-        assert torch.equal(worker.pool.layers[LAYERS.index(n)][2], expected[0][n])  # promoted
+        promoted = worker.pool.data[LAYERS.index(n)][2].view(torch.float32).view(SHAPE)
+        assert torch.equal(promoted, expected[0][n])  # promoted to RAM slot 2
     report = worker.take_report()
     assert report.read_ok == [KEYS[0]] and report.read_failed == [KEYS[1]]
     assert report.released_slots == [2]

@@ -1,0 +1,143 @@
+"""How KV blocks are stored in the tiers (``--kv-offload-dtype``): names and byte sizes, no torch.
+
+A block leaves vLLM's paged cache in the engine's dtype (float32 on CPU). The tiers may keep it
+in a smaller format; :class:`BlockFormat` says how many bytes that takes, so the scheduler side
+sizes the RAM pool and the disk budget by stored bytes, and :mod:`server.kv.codec` (worker side,
+torch) converts. Stored layout of one block: for every layer in manifest order, the layer's
+elements in the stored dtype, then (``int8``/``fp8`` only) its float32 scales.
+
+Scales (:data:`SCALE_SCHEME`) follow vLLM's CPU layout of a layer block, ``[kv_heads,
+2 * block_tokens, head_size]`` (the keys, then the values of each head): keys get one scale per
+head and channel (over the block's tokens, as KIVI does: keys have outlier channels), values
+one per head and token. A layer block thus has ``kv_heads * (head_size + block_tokens)``
+scales; for SmolLM2 (3 heads of 64, 128 tokens) that is 2.3 KB next to 49 KB of int8.
+On another layout the same groups are still exact bounds (each scale is its group's absmax),
+only less well placed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OFFLOAD_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
+"""Accepted formats; ``auto`` stores the engine's own dtype (exact)."""
+
+SCALED = ("int8", "fp8")
+"""Formats that store a float32 scale per scale group."""
+
+SCALE_BYTES = 4
+"""Bytes of one scale (float32)."""
+
+SCALE_SCHEME = "keys:head,channel;values:head,token;absmax;float32"
+"""What the scales of ``int8``/``fp8`` blocks mean (part of the manifest fingerprint)."""
+
+_ELEMENT_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+class FormatError(ValueError):
+    """An offload format or engine dtype this module does not know, or a bad geometry."""
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.float32`` (or its string ``"torch.float32"``) -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def element_bytes(dtype: object) -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype, its string or a format name)."""
+    name = dtype_name(dtype)
+    if name not in _ELEMENT_BYTES:
+        raise FormatError(f"unknown KV element dtype {name!r}")
+    return _ELEMENT_BYTES[name]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """The stored format of one model's blocks: offload dtype plus the block geometry."""
+
+    offload_dtype: str
+    """One of :data:`OFFLOAD_DTYPES`."""
+    engine_dtype: str
+    """The paged cache's dtype, e.g. ``"float32"``."""
+    layer_block_bytes: tuple[int, ...]
+    """Bytes of one block of each layer in the paged cache."""
+    kv_heads: int = 1
+    """KV heads per layer block (the scales' geometry, ``int8``/``fp8``)."""
+    block_tokens: int = 1
+    """Tokens per block (the scales' geometry, ``int8``/``fp8``)."""
+
+    def __post_init__(self) -> None:
+        if self.offload_dtype not in OFFLOAD_DTYPES:
+            raise FormatError(
+                f"kv offload dtype must be one of {', '.join(OFFLOAD_DTYPES)}, "
+                f"got {self.offload_dtype!r}"
+            )
+        size = element_bytes(self.engine_dtype)
+        for nbytes in self.layer_block_bytes:
+            if nbytes % size:
+                raise FormatError(f"{nbytes} bytes per layer block is not whole {size}-byte items")
+            rows = 2 * self.kv_heads * self.block_tokens
+            if self.scaled and (rows <= 0 or (nbytes // size) % rows):
+                raise FormatError(
+                    f"{self.kv_heads} heads x 2 x {self.block_tokens} tokens do not divide "
+                    f"{nbytes // size} elements"
+                )
+
+    @property
+    def stored_dtype(self) -> str:
+        """Element dtype in the tiers (``auto`` resolves to the engine's)."""
+        return self.engine_dtype if self.offload_dtype == "auto" else self.offload_dtype
+
+    @property
+    def exact(self) -> bool:
+        """True when blocks are stored bit for bit (``auto`` or the engine's own dtype)."""
+        return dtype_name(self.stored_dtype) == dtype_name(self.engine_dtype)
+
+    @property
+    def scaled(self) -> bool:
+        """True when blocks carry per-group scales."""
+        return self.offload_dtype in SCALED
+
+    def layer_numel(self, layer: int) -> int:
+        """Elements of one block of layer ``layer``."""
+        return self.layer_block_bytes[layer] // element_bytes(self.engine_dtype)
+
+    def head_size(self, layer: int) -> int:
+        """Elements per token and head of layer ``layer``."""
+        return self.layer_numel(layer) // (2 * self.kv_heads * self.block_tokens)
+
+    def num_scales(self, layer: int) -> int:
+        """Scales of one block of layer ``layer`` (0 for unscaled formats)."""
+        if not self.scaled:
+            return 0
+        return self.kv_heads * (self.head_size(layer) + self.block_tokens)
+
+    def stored_layer_bytes(self, layer: int) -> int:
+        """Stored bytes of one block of layer ``layer`` (elements, then scales)."""
+        data = self.layer_numel(layer) * element_bytes(self.stored_dtype)
+        return data + self.num_scales(layer) * SCALE_BYTES
+
+    @property
+    def block_bytes(self) -> int:
+        """Stored bytes of one block (all layers): what every tier budget counts."""
+        return sum(self.stored_layer_bytes(i) for i in range(len(self.layer_block_bytes)))
+
+    @property
+    def engine_block_bytes(self) -> int:
+        """Bytes of one block in the paged cache (all layers)."""
+        return sum(self.layer_block_bytes)
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: engine bytes over stored bytes (1.0 for ``auto``)."""
+        return self.engine_block_bytes / self.block_bytes if self.block_bytes else 1.0
