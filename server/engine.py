@@ -152,16 +152,18 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     """
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.launchers.launcher import validate_api_server_args
+    from vllm.logger import configure_logging_from_args
 
     from server.logs import use_vllm_logging
 
-    use_vllm_logging()
     argv = vllm_argv(config)
     parser = vllm_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed what is wrong
         raise ConfigError(f"invalid vLLM arguments: {' '.join(config.vllm_args)}") from exc
+    configure_logging_from_args(args)  # vLLM's logging now (it would at engine start)...
+    use_vllm_logging()  # ...so that ours, from the first line on, has its format too
     validate_parsed_serve_args(args)
     try:
         validate_api_server_args(args)
