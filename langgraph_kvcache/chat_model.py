@@ -10,7 +10,8 @@ with three differences:
    reproducible; pass ``temperature=0.7`` or so for varied answers), ``stream_usage`` is on
    (the server reports usage in the last streamed chunk) and the Responses API is off.
 2. Every request names its KV-cache session (sent as the OpenAI body field ``prompt_cache_key``,
-   contracts.md section 1), so the server keeps the conversation's KV between turns. The session
+   in the id syntax of ``langgraph_kvcache.contract``), so the server keeps the conversation's
+   KV between turns. The session
    is, first match wins:
 
    - a per-call ``session_id=`` (or ``prompt_cache_key=``) keyword, also via ``.bind(...)``;

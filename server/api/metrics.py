@@ -1,4 +1,4 @@
-"""Expose ``SessionControl.metrics()`` (contracts.md section 5) on vLLM's ``/metrics``.
+"""Expose ``SessionControl.metrics()`` on vLLM's ``/metrics``.
 
 vLLM serves ``/metrics`` from a prometheus ``CollectorRegistry``; :class:`SessionMetricsCollector`
 is registered there for the server's lifetime and turns each ``name{labels}: value`` sample of

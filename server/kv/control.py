@@ -215,7 +215,7 @@ class SessionControl:
         return {"blocks": row.num_blocks, "ram_blocks": usage["ram"].blocks}
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples of contracts.md section 5 (engine counters from the registry)."""
+        """Prometheus samples (engine counters from the registry)."""
         stored = self.registry.stats()
         out = {name: float(stored.get(name, 0.0)) for name in _COUNTERS}
         out["lgkv_sessions"] = float(self.registry.count_sessions())

@@ -70,10 +70,6 @@ class EvictionPolicy:
         for key in keys:
             self._refs[key].add(skey)
 
-    def session_keys(self, tenant: str, session_id: str) -> list[str]:
-        """The block keys of a session as last known."""
-        return list(self._blocks_of.get((tenant, session_id), []))
-
     def is_managed(self, key: str) -> bool:
         """True if a managed session references the block."""
         return any(

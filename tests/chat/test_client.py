@@ -1,7 +1,7 @@
 """KVCacheClient / AsyncKVCacheClient: requests sent, answers parsed, errors mapped.
 
 The server side is the recording HTTP server of conftest.py with scripted answers in the shapes
-of contracts.md section 4.
+of the session API (``langgraph_kvcache.contract``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The session API (contracts.md 4) of a real server: happy paths, errors, tenants, restart."""
+"""The session API of a real server: happy paths, errors, tenants, restart."""
 
 from __future__ import annotations
 
