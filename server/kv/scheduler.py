@@ -24,6 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from langgraph_kvcache.contract import (
+    DEFAULT_TENANT,
+    PREFETCH_OP,
+    XARG_OP,
+    XARG_SESSION,
+    XARG_TENANT,
+)
 from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
@@ -34,7 +41,6 @@ from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
-PREFETCH_OP = "prefetch"
 _NO_STATE = BlockState("")
 _PURGE_EVERY_S = 10.0
 _IDLE_POLL_S = 0.002
@@ -340,9 +346,9 @@ class SessionKVScheduler:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-            sid, tenant = extra.get("session_id"), extra.get("tenant") or "default"
+            sid, tenant = extra.get(XARG_SESSION), extra.get(XARG_TENANT) or DEFAULT_TENANT
             session = (str(tenant), str(sid)) if isinstance(sid, str) and sid else None
-            op = extra.get("lgkv_op")
+            op = extra.get(XARG_OP)
             tracked = _Tracked(request, session=session, op=op if isinstance(op, str) else None)
             self._tracked[request.request_id] = tracked
         return tracked
