@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from langgraph_kvcache.contract import InvalidTTL, check_ttl
+from server.kv.formats import OFFLOAD_DTYPES
 from server.options import (
     ConfigError,
     Setting,
@@ -59,8 +60,8 @@ DEFAULT_KV_RAM_BYTES = 1 << 30
 DEFAULT_KV_DISK_BYTES = 16 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_TOOL_CALL_PARSER = "hermes"
-KV_OFFLOAD_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
-"""Accepted ``--kv-offload-dtype`` values (``server.kv.codec`` implements them)."""
+KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
+"""Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
 
 
 def _default_cache_dir() -> Path:

@@ -1,7 +1,10 @@
 """Typed connector settings parsed from vLLM's ``kv_connector_extra_config``.
 
-The app passes the keys of contracts.md section 2; :meth:`ConnectorSettings.from_extra_config`
-validates them and raises :class:`SettingsError` with a message naming the bad key.
+The app passes the keys :func:`server.config.connector_extra_config` builds from the config
+table; :meth:`ConnectorSettings.from_extra_config` validates them and raises
+:class:`SettingsError` with a message naming the bad key. A key that is missing (plain
+``vllm serve --kv-transfer-config ...`` with this connector) takes the server's own default
+(:func:`server.config.connector_defaults`): the connector has no defaults of its own for them.
 """
 
 from __future__ import annotations
@@ -69,8 +72,11 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Parse and validate ``kv_connector_extra_config`` (contracts.md section 2)."""
-        extra = dict(extra or {})
+        """Parse and validate ``kv_connector_extra_config``; missing keys take the server's
+        defaults."""
+        from server.config import connector_defaults
+
+        extra = {**connector_defaults(), **(extra or {})}
         cache_dir = extra.get("cache_dir")
         if not isinstance(cache_dir, str) or not cache_dir:
             raise SettingsError(
@@ -99,8 +105,8 @@ class ConnectorSettings:
         return cls(
             cache_dir=root,
             disk_dir=disk_dir,
-            ram_bytes=_non_negative_int(extra, "ram_bytes", 256 << 20),
-            disk_bytes=_non_negative_int(extra, "disk_bytes", 1 << 30),
+            ram_bytes=_non_negative_int(extra, "ram_bytes"),
+            disk_bytes=_non_negative_int(extra, "disk_bytes"),
             redis_url=redis_url or None,
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
@@ -112,8 +118,8 @@ class ConnectorSettings:
         )
 
 
-def _non_negative_int(extra: dict[str, Any], key: str, default: int) -> int:
-    value = extra.get(key, default)
+def _non_negative_int(extra: dict[str, Any], key: str) -> int:
+    value = extra.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SettingsError(f"kv_connector_extra_config[{key!r}] must be an integer >= 0 bytes")
     return value
