@@ -125,7 +125,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
         help_parser().parse_args(argv)
         return
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_argv(argv)
         serve(config)

@@ -6,8 +6,9 @@ core, the executor's workers): level from ``VLLM_LOGGING_LEVEL``, a handler with
 packages have no handler there, so Python's last-resort handler printed our warnings bare and
 dropped our INFO lines. :func:`use_vllm_logging` hands vLLM's handlers and level to our loggers
 in the calling process; the API process calls it before the engine starts and the connector
-calls it in each engine process. With ``VLLM_CONFIGURE_LOGGING=0`` or a logging config of your
-own (``VLLM_LOGGING_CONFIG_PATH`` that configures ``server``) it changes nothing.
+calls it in each engine process. With ``VLLM_CONFIGURE_LOGGING=0``, a logging config of your
+own (``VLLM_LOGGING_CONFIG_PATH`` that configures ``server``), or handlers on the root logger
+(a process that embeds the engine and configured logging) it changes nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def use_vllm_logging(names: tuple[str, ...] = OUR_LOGGERS) -> None:
     import vllm.logger  # noqa: F401  (configures the ``vllm`` logger on first import)
 
     source = logging.getLogger("vllm")
-    if not source.handlers:
-        return  # vLLM's logging is off: leave ours as the user configured them
+    if not source.handlers or logging.getLogger().handlers:
+        # vLLM's logging is off, or the host process configured logging itself (an app that
+        # embeds the engine, pytest): ours propagate to its handlers as configured there.
+        return
     for name in names:
         logger = logging.getLogger(name)
         if logger.handlers:
