@@ -31,6 +31,7 @@ Run: ``python benchmarks/checkpointer.py [--steps 200 1000] [--repeat 2] [--no-p
 from __future__ import annotations
 
 import argparse
+import random
 import sqlite3
 import statistics
 import tempfile
@@ -82,12 +83,68 @@ class Result:
         return self.items[op] / statistics.median(self.samples[op])
 
 
-WORDS = "the agent looked up the weather and the calendar then wrote a short plan".split()
+VOCABULARY = [
+    "the",
+    "agent",
+    "looked",
+    "up",
+    "weather",
+    "calendar",
+    "flights",
+    "hotel",
+    "budget",
+    "plan",
+    "wrote",
+    "short",
+    "summary",
+    "user",
+    "asked",
+    "about",
+    "trip",
+    "dates",
+    "prices",
+    "museum",
+    "dinner",
+    "train",
+    "station",
+    "morning",
+    "evening",
+    "rain",
+    "forecast",
+    "booked",
+    "seat",
+    "window",
+    "aisle",
+    "cheaper",
+    "option",
+    "refund",
+    "policy",
+    "luggage",
+    "limit",
+    "city",
+    "centre",
+    "walk",
+    "minutes",
+    "late",
+    "checkout",
+    "breakfast",
+    "included",
+    "review",
+    "rating",
+    "quiet",
+    "room",
+    "view",
+    "river",
+    "bridge",
+]
 
 
 def message(step: int) -> Any:
-    """The message added at ``step``: alternating user and assistant turns of 60 words."""
-    text = " ".join(["turn", str(step), *(WORDS[i % len(WORDS)] for i in range(58))])
+    """The message added at ``step``: alternating user and assistant turns of 60 words drawn
+    at random (seeded by the step) from a small vocabulary, so text compresses as prose does,
+    not as one repeated phrase."""
+    rng = random.Random(step)
+    text = " ".join(["turn", str(step), *rng.choices(VOCABULARY, k=58)])
     return HumanMessage(text) if step % 2 == 0 else AIMessage(text)
 
 
@@ -244,21 +301,22 @@ def run_sqlite(steps: int, repeat: int, folder: Path) -> tuple[Result, Result]:
 def run_postgres(steps: int, repeat: int) -> tuple[Result, Result]:
     from langgraph.checkpoint.postgres import PostgresSaver
 
-    with fresh_pg_database() as ours_url, fresh_pg_database() as peer_url:
-        with (
-            SQLAlchemySaver.from_conn_string(ours_url) as ours_saver,
-            PostgresSaver.from_conn_string(peer_url) as peer_saver,
-        ):
-            ours_saver.setup()
-            peer_saver.setup()
+    with (
+        fresh_pg_database() as ours_url,
+        fresh_pg_database() as peer_url,
+        SQLAlchemySaver.from_conn_string(ours_url) as ours_saver,
+        PostgresSaver.from_conn_string(peer_url) as peer_saver,
+    ):
+        ours_saver.setup()
+        peer_saver.setup()
 
-            @contextmanager
-            def readers() -> Iterator[tuple[BaseCheckpointSaver, BaseCheckpointSaver]]:
-                with SQLAlchemySaver.from_conn_string(ours_url) as ours_reader:
-                    yield ours_reader, peer_saver
+        @contextmanager
+        def readers() -> Iterator[tuple[BaseCheckpointSaver, BaseCheckpointSaver]]:
+            with SQLAlchemySaver.from_conn_string(ours_url) as ours_reader:
+                yield ours_reader, peer_saver
 
-            sizes = (lambda: pg_size(ours_url), lambda: pg_size(peer_url))
-            return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat)
+        sizes = (lambda: pg_size(ours_url), lambda: pg_size(peer_url))
+        return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat)
 
 
 def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
