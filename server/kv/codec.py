@@ -6,13 +6,15 @@ them back, vectorised over the batch:
 
 - ``auto`` (or the engine's own dtype): the elements unchanged (exact).
 - ``float16`` / ``bfloat16``: a cast (float16 saturates at +-65504 instead of overflowing).
-- ``int8``: symmetric absmax quantization, ``q = round(x / s)`` with ``s = amax / 127``; keys
-  have one scale per head and channel, values one per head and token (see
-  :mod:`server.kv.formats`).
-- ``fp8``: float8 e4m3 of ``x / s`` with ``s = amax / 448``, the same scales.
+- ``int8``: symmetric absmax quantization, ``q = round(x / s)`` with ``s = amax / 127`` per
+  row of ``head_size`` elements (one head, one token, keys and values apart; see
+  :mod:`server.kv.formats`), ``s`` stored as float16.
+- ``fp8``: float8 e4m3 of ``x / s`` with ``s = amax / 448``, the same rows.
 
 Stored elements are raw bytes (``uint8`` views), so a pool slot, a file and a Redis value hold
-the same bytes. Scales are float32 and never zero, so decoding finite input is finite.
+the same bytes. Scales are never zero and the
+elements are divided by the stored (float16-rounded) scale, so decoding finite input is finite
+and the error bound holds for the stored scale.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from server.kv.formats import BlockFormat, FormatError, dtype_name
 _FP16_MAX = 65504.0
 _INT8_MAX = 127.0
 _FP8_MAX = 448.0
-_TINY = 1e-30
+_FP16_TINY = 2.0**-24
 
 
 def fp8_available() -> bool:
@@ -49,8 +51,7 @@ class BlockCodec:
 
     Contract: ``decode(*encode(x))`` equals ``x`` exactly when ``fmt.exact``; otherwise its
     error per element is at most half a quantization step (``int8``: ``amax / 254`` of the
-    element's scale group, a key channel or a value token of one head; float casts: the
-    cast's rounding).
+    element's row; float casts: the cast's rounding).
     """
 
     def __init__(self, fmt: BlockFormat, layer_shapes: list[tuple[int, ...]]) -> None:
@@ -76,7 +77,7 @@ class BlockCodec:
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x``: ``[n, *block_shape]`` blocks of one layer in the engine's dtype. Returns the
-        stored elements as ``uint8 [n, data_bytes]`` and the scales ``float32 [n, groups]``
+        stored elements as ``uint8 [n, data_bytes]`` and the scales ``float16 [n, rows]``
         (``None`` for unscaled formats). ``x`` is not modified."""
         n = x.shape[0]
         if self.format.exact:
@@ -86,17 +87,16 @@ class BlockCodec:
             if self.stored_dtype == torch.float16:
                 y = x.clamp(-_FP16_MAX, _FP16_MAX)
             return _as_bytes(y.to(self.stored_dtype), n), None
-        kv = self._split(x).to(torch.float32)  # [n, heads, 2, tokens, head_size]
+        rows = x.reshape(n, self._rows, -1).to(torch.float32)
         top = _INT8_MAX if self.stored_dtype == torch.int8 else _FP8_MAX
-        keys = kv[:, :, 0].abs().amax(dim=2, keepdim=True).div_(top).clamp_(min=_TINY)
-        values = kv[:, :, 1].abs().amax(dim=3, keepdim=True).div_(top).clamp_(min=_TINY)
-        q = kv / torch.stack((keys.expand_as(kv[:, :, 0]), values.expand_as(kv[:, :, 1])), 2)
+        amax = rows.abs().amax(dim=-1, keepdim=True)
+        scale = amax.div_(top).clamp_(_FP16_TINY, _FP16_MAX).to(torch.float16)
+        q = rows / scale.to(torch.float32)
         if self.stored_dtype == torch.int8:
             q = q.round_().clamp_(-_INT8_MAX, _INT8_MAX)
         else:
             q = q.clamp_(-_FP8_MAX, _FP8_MAX)
-        scales = torch.cat((keys.reshape(n, -1), values.reshape(n, -1)), dim=1)
-        return _as_bytes(q.to(self.stored_dtype), n), scales
+        return _as_bytes(q.to(self.stored_dtype), n), scale.view(n, -1)
 
     def decode(self, layer: int, data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """Inverse of :meth:`encode` for ``layer``: ``uint8 [n, data_bytes]`` (and scales)
@@ -111,18 +111,13 @@ class BlockCodec:
             return values.view(shape).to(self.engine_dtype)
         if scales is None:
             raise FormatError(f"{self.name} blocks need their scales")
-        kv = self._split(values).to(torch.float32)
-        heads, tokens, head = kv.shape[1], kv.shape[3], kv.shape[4]
-        keys = scales[:, : heads * head].reshape(n, heads, 1, head)
-        vals = scales[:, heads * head :].reshape(n, heads, tokens, 1)
-        kv[:, :, 0].mul_(keys)
-        kv[:, :, 1].mul_(vals)
-        return kv.view(shape).to(self.engine_dtype)
+        rows = values.view(n, self._rows, -1).to(torch.float32)
+        rows.mul_(scales.reshape(n, -1, 1).to(torch.float32))
+        return rows.view(shape).to(self.engine_dtype)
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, ...]`` -> ``[n, heads, 2 (keys, values), tokens, head_size]`` (a view)."""
-        fmt = self.format
-        return x.reshape(x.shape[0], fmt.kv_heads, 2, fmt.block_tokens, -1)
+    @property
+    def _rows(self) -> int:
+        return self.format.num_scales(0)
 
 
 def _as_bytes(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Slot ``s`` holds one block of every layer back to back in the stored format of the
 :class:`~server.kv.codec.BlockCodec` (the same bytes a disk file holds): per layer its stored
 elements, then its scales (``int8``/``fp8``). The pool is viewed per layer as ``uint8
-[num_slots, data_bytes]`` and ``float32 [num_slots, groups]``, so a save or load of a batch of
+[num_slots, data_bytes]`` and ``float16 [num_slots, rows]``, so a save or load of a batch of
 blocks is one encode or decode and one indexed copy per layer.
 """
 
@@ -85,7 +85,7 @@ def load_block_bytes(
 
 
 def _scales(buffer: torch.Tensor, start: int, nbytes: int) -> torch.Tensor | None:
-    """A float32 ``[rows, nbytes / 4]`` view of ``buffer[:, start:start + nbytes]``."""
+    """A float16 ``[rows, nbytes / 2]`` view of ``buffer[:, start:start + nbytes]``."""
     if nbytes == 0:
         return None
-    return buffer[:, start : start + nbytes].view(torch.float32).view(buffer.shape[0], -1)
+    return buffer[:, start : start + nbytes].view(torch.float16).view(buffer.shape[0], -1)

@@ -1,0 +1,410 @@
+"""Compressed KV in the tiers (``--kv-offload-dtype``): sizes, codec cost, quality, capacity.
+
+    python benchmarks/compression.py sizes      # bytes per block and blocks per GiB per format
+    python benchmarks/compression.py codec      # microseconds per block to compress / restore
+    python benchmarks/compression.py quality    # >= 100 multi-turn prompts, greedy 32 tokens
+    python benchmarks/compression.py capacity   # the multi-turn benchmark, RAM tier too small
+    python benchmarks/compression.py quality --prompts 12 --formats auto int8   # a quick look
+
+``quality`` runs one offline engine per format (the default model, float32, eager). Each prompt
+runs twice: first with ``skip_reading_prefix_cache`` (a full prefill, the cache-off answer;
+its blocks are saved to the RAM tier in the format), then, after ``reset_prefix_cache()``, as a
+hit whose history KV comes back from the RAM tier decoded. It prints the share of identical
+32-token greedy continuations, the mean position of the first differing token (32 when none
+differs), and the mean absolute difference of the chosen tokens' logprobs over the tokens
+before the first difference. Prompts: Wikipedia passages of the RAG example and the user
+turns of ``benchmarks/multi_turn.py``, as 2- and 3-turn chats.
+
+``capacity`` runs ``python -m server`` once per configuration with the same flags, cores and
+workload (``multi_turn.py``'s interleaved conversations, disk tier off) and prints the hit rate
+and the TTFT p50 of the late turns: ``auto`` at ``--ram-bytes``, ``auto`` at 4x that, and each
+compressed format at ``--ram-bytes``. Timings on a shared CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+FORMATS = ["auto", "float16", "bfloat16", "int8", "fp8"]
+TOKENS = 32
+_ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def model_geometry(model: Path) -> tuple[int, int, int, int]:
+    """(layers, KV heads, head size, block size) of a model folder (CPU block size 128)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head, 128
+
+
+def block_format(model: Path, name: str) -> Any:
+    from server.kv.formats import BlockFormat
+
+    layers, heads, head, block = model_geometry(model)
+    layer_bytes = (heads * 2 * block * head * 4,) * layers
+    return BlockFormat(name, "float32", layer_bytes, kv_heads=heads, block_tokens=block)
+
+
+def sizes(model: Path) -> None:
+    print("\nformat     bytes/block  blocks/GiB  ratio")
+    for name in FORMATS:
+        fmt = block_format(model, name)
+        per_gib = (1 << 30) // fmt.block_bytes
+        print(f"{name:>9} {fmt.block_bytes:>12} {per_gib:>11} {fmt.ratio:>6.2f}x")
+
+
+def codec_cost(model: Path, batch: int, reps: int) -> None:
+    """Microseconds per block of RamPool.save (paged -> slot, encode) and .load (decode)."""
+    import torch
+
+    from server.kv.codec import BlockCodec, fp8_available
+    from server.kv.tiers.ram import RamPool
+
+    layers, heads, head, block = model_geometry(model)
+    shape = (heads, 2 * block, head)
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(2 * batch, *shape, generator=g) for _ in range(layers)]
+    ids, slots = list(range(batch)), list(range(batch))
+    back = list(range(batch, 2 * batch))
+    print(f"\n{batch} blocks per call, median of {reps}, torch threads {torch.get_num_threads()}")
+    print("format     save us/block (min)  load us/block (min)  (paged <-> RAM slot, with copy)")
+    for name in FORMATS:
+        if name == "fp8" and not fp8_available():
+            continue
+        pool = RamPool(batch, BlockCodec(block_format(model, name), [shape] * layers))
+        pool.save(kv, ids, slots)  # warm up: the pool's pages are touched once
+        pool.load(kv, slots, back)
+        save, load = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            pool.save(kv, ids, slots)
+            save.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pool.load(kv, slots, back)
+            load.append(time.perf_counter() - t)
+        med = [statistics.median(x) / batch * 1e6 for x in (save, load)]
+        best = [min(x) / batch * 1e6 for x in (save, load)]
+        print(f"{name:>9} {med[0]:>8.0f} ({best[0]:>5.0f}) {med[1]:>8.0f} ({best[1]:>5.0f})")
+
+
+# ------------------------------------------------------------------------------------ quality
+
+
+def quality_prompts(n: int) -> list[list[dict[str, str]]]:
+    """``n`` varied 2- and 3-turn chats: half RAG passages, half multi_turn.py user turns."""
+    from multi_turn import _user_turns
+
+    from examples.rag import chunk_articles, load_articles
+
+    chunks = chunk_articles(load_articles(), words=90, max_per_article=6)
+    by_title: dict[str, list[str]] = {}
+    for c in chunks:
+        by_title.setdefault(c.title, []).append(c.text)
+    titles = [t for t, cs in by_title.items() if len(cs) >= 3]
+    out: list[list[dict[str, str]]] = []
+    for i in range(n - n // 2):
+        title = titles[i % len(titles)]
+        c = by_title[title]
+        first = c[0].split(". ")[0]
+        out.append(
+            [
+                {"role": "system", "content": "You answer questions about Wikipedia passages."},
+                {"role": "user", "content": f"An article on {title}:\n\n{c[0]}\n\n{c[1]}\n\n"
+                 "What is it mainly about?"},
+                {"role": "assistant", "content": f"It is about {title}. {first}."},
+                {"role": "user", "content": f"It goes on:\n\n{c[2]}\n\nName one fact from it."},
+            ]
+        )  # fmt: skip
+    for j, turns in enumerate(_user_turns(n // 2, 3, seed=1)):
+        chat: list[dict[str, str]] = []
+        for k in range(2 + j % 2):
+            if chat:
+                words = turns[k - 1].split(": ", 1)[-1].split()
+                chat.append({"role": "assistant", "content": " ".join(words[3 + j % 5 : 20])})
+            chat.append({"role": "user", "content": turns[k]})
+        out.append(chat)
+    return out
+
+
+def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """One format: cache-off and compressed-hit continuations of every prompt (subprocess)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra = {
+        "cache_dir": spec["cache_dir"],
+        "ram_bytes": spec["ram_bytes"],
+        "disk_bytes": 0,
+        "model_id": "bench",
+        "offload_dtype": spec["format"],
+        "stats_flush_s": 0.05,
+    }
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=spec["resident_bytes"],
+        max_model_len=4096,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SessionKVConnector",
+            kv_connector_module_path="server.kv.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+    )
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for m in spec["chats"]
+    ]
+
+    def params(i: int, cache_off: bool) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=TOKENS,
+            ignore_eos=True,
+            temperature=0.0,
+            logprobs=1,
+            skip_reading_prefix_cache=cache_off,
+            extra_args={"session_id": f"q{i}", "tenant": "bench"},
+        )
+
+    rows: list[dict[str, Any]] = []
+    step = spec["batch"]
+    for start in range(0, len(prompts), step):
+        idx = list(range(start, min(start + step, len(prompts))))
+        batch = [{"prompt_token_ids": prompts[i]} for i in idx]
+        ref = llm.generate(batch, [params(i, True) for i in idx], use_tqdm=False)
+        llm.reset_prefix_cache()
+        hit = llm.generate(batch, [params(i, False) for i in idx], use_tqdm=False)
+        llm.reset_prefix_cache()
+        for i, r, h in zip(idx, ref, hit, strict=True):
+            rows.append(
+                {"prompt": i, "prompt_len": len(prompts[i]), "cached": h.num_cached_tokens,
+                 "ref": _tokens(r), "hit": _tokens(h)}
+            )  # fmt: skip
+    llm.llm_engine.engine_core.shutdown()
+    return {"format": spec["format"], "rows": rows}
+
+
+def _tokens(out: Any) -> list[tuple[int, float]]:
+    comp = out.outputs[0]
+    return [(t, lp[t].logprob) for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Identical share, mean first-divergence position, mean |logprob diff| before it."""
+    firsts, diffs, hits = [], [], 0
+    for row in rows:
+        ref, hit = row["ref"], row["hit"]
+        first = next(
+            (k for k, (a, b) in enumerate(zip(ref, hit, strict=True)) if a[0] != b[0]), len(ref)
+        )
+        firsts.append(first)
+        diffs += [abs(a[1] - b[1]) for a, b in zip(ref[:first], hit[:first], strict=True)]
+        hits += row["cached"] > 0
+    return {
+        "identical": sum(f == len(r["ref"]) for f, r in zip(firsts, rows, strict=True)) / len(rows),
+        "first_divergence": statistics.mean(firsts),
+        "logprob_diff": statistics.mean(diffs) if diffs else float("nan"),
+        "hit_prompts": hits / len(rows),
+        "cached_tokens": statistics.mean(r["cached"] for r in rows),
+        "prompt_tokens": statistics.mean(r["prompt_len"] for r in rows),
+    }
+
+
+def quality(model: Path, formats: list[str], n: int, batch: int, out: Path) -> None:
+    chats = quality_prompts(n)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    print(f"{n} prompts, greedy {TOKENS} tokens, compressed-KV hit vs cache-off (same engine)")
+    print(
+        "format     identical  first-divergence  |logprob diff|  hit prompts  cached/prompt"
+        "  cache-off = first engine's"
+    )
+    for name in formats:
+        with tempfile.TemporaryDirectory(prefix=f"lgkv-quality-{name}-") as tmp:
+            spec = {
+                "model": str(model), "format": name, "chats": chats, "batch": batch,
+                "cache_dir": tmp, "ram_bytes": 1 << 30, "resident_bytes": 768 << 20,
+            }  # fmt: skip
+            spec_file = Path(tmp) / "spec.json"
+            spec_file.write_text(json.dumps(spec))
+            proc = subprocess.run(
+                [sys.executable, __file__, "_quality-engine", str(spec_file)],
+                capture_output=True, text=True, env={**os.environ, **_ENGINE_ENV},
+            )  # fmt: skip
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"{name} engine failed:\n{proc.stderr[-4000:]}")
+            rows = results[name] = json.loads(lines[-1][7:])["rows"]
+        (out / "compression_quality.json").write_text(json.dumps(results))
+        first = next(iter(results.values()))
+        same = sum(
+            [t for t, _ in a["ref"]] == [t for t, _ in b["ref"]]
+            for a, b in zip(rows, first, strict=True)
+        ) / len(rows)
+        s = compare(rows)
+        print(
+            f"{name:>9} {s['identical']:>10.1%} {s['first_divergence']:>17.2f} "
+            f"{s['logprob_diff']:>15.5f} {s['hit_prompts']:>12.0%} "
+            f"{s['cached_tokens']:>7.0f}/{s['prompt_tokens']:.0f} {same:>13.0%}",
+            flush=True,
+        )
+
+
+# ----------------------------------------------------------------------------------- capacity
+
+
+def _human(n: int) -> str:
+    return f"{n / (1 << 30):g}GiB" if n >= 1 << 30 else f"{n >> 20}MiB"
+
+
+_GAUGE = re.compile(r"^(lgkv_(?:tier_bytes|tier_blocks|kv_compression_ratio)\{[^}]*\}) (\S+)$")
+RAM_BLOCKS, RAM_BYTES = 'lgkv_tier_blocks{tier="ram"}', 'lgkv_tier_bytes{tier="ram"}'
+
+
+def _gauges(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = _GAUGE.match(line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def capacity(model: Path, formats: list[str], args: argparse.Namespace) -> None:
+    import httpx
+    from multi_turn import _free_port, _start, _stop, _user_turns, run_workload
+
+    users = _user_turns(args.conversations, args.turns)
+    ram = args.ram_bytes
+    configs = [("auto", ram), ("auto", 4 * ram)] + [(f, ram) for f in formats if f != "auto"]
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus),
+    }  # fmt: skip
+    print(
+        f"capacity: {args.conversations} conversations x {args.turns} turns, resident "
+        f"{_human(args.resident_bytes)}, disk off, VLLM_CPU_NUM_OF_RESERVED_CPU="
+        f"{args.reserved_cpus} for every server"
+    )
+    rows = []
+    for fmt, ram_bytes in configs:
+        name = f"{fmt}@{_human(ram_bytes)}"
+        port = _free_port()
+        log = args.out / f"capacity-{fmt}-{_human(ram_bytes)}.log"
+        with tempfile.TemporaryDirectory(prefix="lgkv-capacity-") as tmp:
+            cmd = [
+                sys.executable, "-m", "server", "--model", str(model), "--dtype", "float32",
+                "--max-model-len", "8192", "--served-model-name", "bench", "--enforce-eager",
+                "--kv-cache-memory-bytes", str(args.resident_bytes),
+                "--kv-ram-bytes", str(ram_bytes), "--kv-disk-bytes", "0",
+                "--kv-offload-dtype", fmt, "--cache-dir", tmp, "--port", str(port),
+            ]  # fmt: skip
+            print(f"starting {name}", flush=True)
+            proc = _start(cmd, port, log, env)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                turns = run_workload(url, "bench", users, args.answer_tokens, name)
+                gauges = _gauges(httpx.get(f"{url}/metrics", timeout=30).text)
+            finally:
+                _stop(proc)
+        omp = sorted({ln.split("]", 1)[-1].strip() for ln in log.read_text().splitlines()
+                      if "OMP" in ln})  # fmt: skip
+        for ln in omp:
+            print(f"  {name} OMP: {ln}")
+        late = [t for t in turns if t.turn >= args.late_from]
+        rows.append(
+            {
+                "name": name,
+                "hit_rate": sum(t.cached_tokens for t in turns)
+                / max(1, sum(t.prompt_tokens for t in turns)),
+                "late_hit_rate": sum(t.cached_tokens for t in late)
+                / max(1, sum(t.prompt_tokens for t in late)),
+                "late_p50": statistics.median(t.ttft_s for t in late),
+                "gauges": gauges,
+            }
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compression_capacity.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nturns {args.late_from}+: hit rate = cached/prompt tokens; RAM tier at the end")
+    print("config              hit(all)  hit(late)  TTFT p50 late  RAM blocks  RAM bytes  ratio")
+    for r in rows:
+        g = r["gauges"]
+        ratio = next((v for k, v in g.items() if k.startswith("lgkv_kv_compression")), 1.0)
+        print(
+            f"{r['name']:<18} {r['hit_rate']:>9.1%} {r['late_hit_rate']:>10.1%} "
+            f"{r['late_p50']:>13.3f}s {g.get(RAM_BLOCKS, 0):>11.0f} "
+            f"{g.get(RAM_BYTES, 0):>10.0f} {ratio:>6.2f}x"
+        )
+    big = next(r for r in rows if r["name"] == f"auto@{_human(4 * ram)}")
+    for r in rows[2:]:
+        print(
+            f"  {r['name']} vs {big['name']}: late hit rate {r['late_hit_rate']:.1%} vs "
+            f"{big['late_hit_rate']:.1%}, TTFT p50 {r['late_p50'] / big['late_p50']:.2f}x"
+        )
+
+
+def main() -> None:
+    from server.model import default_model_dir
+
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("what", choices=["sizes", "codec", "quality", "capacity", "all"])
+    p.add_argument("--model", type=Path, default=default_model_dir())
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=FORMATS)
+    p.add_argument("--prompts", type=int, default=120, help="quality: prompts")
+    p.add_argument("--batch", type=int, default=8, help="quality: prompts per generate call")
+    p.add_argument("--codec-batch", type=int, default=8, help="codec: blocks per call")
+    p.add_argument("--reps", type=int, default=20, help="codec: repetitions")
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--resident-bytes", type=int, default=512 << 20)
+    p.add_argument("--ram-bytes", type=int, default=512 << 20, help="capacity: small RAM tier")
+    p.add_argument("--reserved-cpus", type=int, default=0, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
+    p.add_argument("--late-from", type=int, default=4)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    print("command: python benchmarks/compression.py " + " ".join(sys.argv[1:]), flush=True)
+    if args.what in ("sizes", "all"):
+        sizes(args.model)
+    if args.what in ("codec", "all"):
+        codec_cost(args.model, args.codec_batch, args.reps)
+    if args.what in ("quality", "all"):
+        quality(args.model, args.formats, args.prompts, args.batch, args.out)
+    if args.what in ("capacity", "all"):
+        args.out.mkdir(parents=True, exist_ok=True)
+        capacity(args.model, args.formats, args)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "_quality-engine":
+        result = quality_engine(json.loads(Path(sys.argv[2]).read_text()))
+        print("RESULT " + json.dumps(result), flush=True)
+    else:
+        main()
