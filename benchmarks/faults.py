@@ -284,8 +284,15 @@ def count_lines(text: str, pattern: str) -> int:
 Figures = dict[str, object]
 
 
-def kill_rounds(server: Server, rounds: int, conversations: int = 3) -> Figures:
-    """R rounds of C growing conversations, each round ended by SIGKILL of the group."""
+def kill_rounds(
+    server: Server,
+    rounds: int,
+    conversations: int = 3,
+    before_restart: Callable[[int], None] | None = None,
+) -> Figures:
+    """R rounds of C growing conversations, each round ended by SIGKILL of the group.
+
+    ``before_restart(round)`` runs while the server is dead (to damage its files too)."""
     tally = Tally()
     prompts = [long_prompt(f"kill conversation {c}", 4) for c in range(conversations)]
     left, left_after = 0, 0
@@ -297,6 +304,8 @@ def kill_rounds(server: Server, rounds: int, conversations: int = 3) -> Figures:
         kill_server(server)
         dead = existing(names)
         left += len(dead)
+        if before_restart is not None:
+            before_restart(r)
         server.start()
         left_after += len(existing(dead))
     for c in range(conversations):  # the last round's KV, read back after the last crash
