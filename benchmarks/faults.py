@@ -525,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Figures]:
         for name in args.only:
             if name in ("budget", "full-disk"):
                 results[name] = small_budget(make) if name == "budget" else full_disk(make)
+                print(f"{name}: {results[name]}", flush=True)
                 continue
             if shared is None:
                 shared = make()
@@ -536,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Figures]:
                 "weights": swapped_weights,
             }[name]
             results[name] = run(shared)
+            print(f"{name}: {results[name]}", flush=True)  # partial results as they come
     finally:
         if shared is not None:
             shared.stop()
