@@ -157,11 +157,11 @@ def log_unavailable(what: str, exc: Exception) -> None:
 class SessionKeeper(LifecycleHooks):
     """The logic both keepers share: the in-transaction hooks and the steps their drivers run.
 
-    A driver subclass implements the ``_after_*`` hooks (drain the outbox the transaction just
-    wrote to), ``get_tuple``'s hook (drive :meth:`_get_tuple_steps`, then run the
-    :class:`Warm` it returns in the background), ``drain`` and ``sweep_expired``; it runs
-    server work (drains, background jobs) one at a time, so a prefetch queued by ``get_tuple``
-    never races the delete that follows it.
+    A driver subclass implements the ``_after_*`` hooks (let queued background work finish,
+    bounded, then drain the outbox the transaction just wrote to), ``get_tuple``'s hook (drive
+    :meth:`_get_tuple_steps`, then run the :class:`Warm` it returns in the background),
+    ``drain`` and ``sweep_expired``; it runs server work (drains, background jobs) one at a
+    time, so a prefetch queued by ``get_tuple`` never races the delete that follows it.
     """
 
     def __init__(self, runner: Runner[Any], options: KVSessionOptions) -> None:

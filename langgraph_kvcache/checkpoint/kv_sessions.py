@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -79,6 +79,13 @@ class ThreadSessions(SessionKeeper):
         with self._server_lock:
             return drive(steps, self.client, self.runner)
 
+    def _after_change(self) -> None:
+        """After a change committed: let queued background jobs finish (bounded by two call
+        timeouts), then make the calls the change owes."""
+        if self._jobs:
+            wait(list(self._jobs), timeout=2 * self.options.call_timeout_s + 1)
+        self.drain()
+
     # -- hooks -----------------------------------------------------------------------------
 
     def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
@@ -89,13 +96,13 @@ class ThreadSessions(SessionKeeper):
             future.add_done_callback(self._jobs.discard)
 
     def _after_delete_threads(self, thread_ids: Sequence[str]) -> None:
-        self.drain()
+        self._after_change()
 
     def _after_copy_thread(self, source: str, target: str) -> None:
-        self.drain()
+        self._after_change()
 
     def _after_delete_for_runs(self, run_ids: Sequence[str], thread_ids: Sequence[str]) -> None:
-        self.drain()
+        self._after_change()
 
     # -- public ----------------------------------------------------------------------------
 
@@ -105,7 +112,7 @@ class ThreadSessions(SessionKeeper):
         if self.options.ttl_seconds is None:
             return []
         threads: list[str] = self.runner.run(self._op_sweep(limit), "write")
-        self.drain()
+        self._after_change()
         return threads
 
     def drain(self) -> int:

@@ -52,6 +52,12 @@ class AsyncThreadSessions(SessionKeeper):
         async with self._server_lock:
             return await adrive(steps, self.client, self.runner)
 
+    async def _after_change(self) -> None:
+        """See :meth:`.kv_sessions.ThreadSessions._after_change`."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2 * self.options.call_timeout_s + 1)
+        await self.drain()
+
     # -- hooks -----------------------------------------------------------------------------
 
     async def _aafter_get_tuple(
@@ -65,15 +71,15 @@ class AsyncThreadSessions(SessionKeeper):
             task.add_done_callback(self._tasks.discard)
 
     async def _aafter_delete_threads(self, thread_ids: Sequence[str]) -> None:
-        await self.drain()
+        await self._after_change()
 
     async def _aafter_copy_thread(self, source: str, target: str) -> None:
-        await self.drain()
+        await self._after_change()
 
     async def _aafter_delete_for_runs(
         self, run_ids: Sequence[str], thread_ids: Sequence[str]
     ) -> None:
-        await self.drain()
+        await self._after_change()
 
     # -- public ----------------------------------------------------------------------------
 
@@ -82,7 +88,7 @@ class AsyncThreadSessions(SessionKeeper):
         if self.options.ttl_seconds is None:
             return []
         threads: list[str] = await self.runner.run(self._op_sweep(limit), "write")
-        await self.drain()
+        await self._after_change()
         return threads
 
     async def drain(self) -> int:
