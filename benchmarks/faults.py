@@ -359,20 +359,22 @@ def damage_session(server: Server, session: str, first: int, how: str) -> None:
 def damaged_files(
     server: Server, kinds: Sequence[str] = ("truncated", "flipped", "swapped")
 ) -> Figures:
-    """Each kind of damage on one session's blocks while the server is stopped; every answer
-    must match cache-off and cached_tokens must stop at the first damaged block."""
+    """One session per kind of damage, all damaged while the server is stopped; every answer
+    must match cache-off and cached_tokens must stop at each session's first damaged block."""
     tally = Tally()
+    sessions = {how: f"damaged-{how}-{uuid.uuid4().hex[:6]}" for how in kinds}
+    prompts = {how: long_prompt(sessions[how], 6) for how in kinds}
+    for how in kinds:
+        checked_turn(server, prompts[how], sessions[how], tally)
+    server.stop()  # graceful: every block is on disk
+    firsts = {how: 1 + i % 3 for i, how in enumerate(kinds)}  # first damaged block of each
+    for how in kinds:
+        damage_session(server, sessions[how], firsts[how], how)
+    server.start()
     wrong_cached = 0
-    for i, how in enumerate(kinds):
-        session = f"damaged-{how}-{uuid.uuid4().hex[:6]}"
-        prompt = long_prompt(session, 6)
-        checked_turn(server, prompt, session, tally)
-        server.stop()  # graceful: every block is on disk
-        first = 1 + i % 3
-        damage_session(server, session, first, how)
-        server.start()
-        _, cached = checked_turn(server, prompt, session, tally)
-        wrong_cached += cached != first * BLOCK
+    for how in kinds:
+        _, cached = checked_turn(server, prompts[how], sessions[how], tally)
+        wrong_cached += cached != firsts[how] * BLOCK
     return {
         **_tally(tally),
         "cached_tokens beyond the damage": wrong_cached,
