@@ -8,12 +8,14 @@ Here a version of a list channel is stored as *references* to its items instead:
   ``checkpoint_items``, keyed by a 16-byte BLAKE2b digest of its serialized form;
 - a version's row in ``checkpoint_blobs`` has type :data:`ITEMS_TYPE` and holds digests: a
   *snapshot* (``base_version`` NULL) lists every item; a *delta* (``base_version`` set) lists
-  only the items appended to the version it extends. A delta is written when the new value
-  starts with the base version's items, byte for byte after serde; anything else (a removal,
-  an edit, a reorder, ``update_state`` that rewrites) is a snapshot. Every
-  ``snapshot_every``-th version of a chain is a snapshot, so a read follows at most
-  ``snapshot_every - 1`` links. A snapshot lists digests, not items, so no item is stored twice
-  and the bytes per step stay flat;
+  only the items after those of the version it extends. A delta is written when the new value
+  starts with the parent checkpoint's version's items, byte for byte after serde; anything
+  else (a removal, an edit, a reorder, ``update_state`` that rewrites) is a snapshot. A chain
+  restarts with a snapshot every ``snapshot_every`` versions; in between, every
+  ``anchor_every``-th version (an *anchor*, ``isqrt(snapshot_every)``) extends the snapshot and
+  the others (*leaves*) extend the last anchor, so a read follows at most two links. A
+  snapshot lists digests, not items, so no item is stored twice and the bytes per step stay
+  nearly flat;
 - reads concatenate the digests along the chain and rebuild the list. When every item was
   serialized by msgpack (``JsonPlusSerializer``'s default), the items' bytes joined behind a
   msgpack array header are exactly the bytes of the whole list, so the list is decoded in one
@@ -51,7 +53,7 @@ StoredBlob = tuple[str, bytes | None, str | None, int | None]
 
 DEFAULT_SNAPSHOT_EVERY = 100
 """Default ``snapshot_every``: a chain of list versions restarts with a snapshot every 100
-versions, so a read walks at most 99 links."""
+versions (anchors every 10)."""
 
 ITEM_CACHE_BYTES = 64 * 2**20
 """Default bound of the serialized item bytes a saver remembers (by digest)."""
@@ -149,8 +151,8 @@ class ListState:
     Args:
         serde: The saver's serializer.
         snapshot_every: Store a full snapshot (of digests) at least every this many versions of
-            a chain; ``1`` stores every version as a snapshot. Reads walk at most
-            ``snapshot_every - 1`` links.
+            a chain; ``1`` stores every version as a snapshot. Reads follow at most two links
+            whatever the value.
         item_cache_bytes: Bound of the remembered serialized items.
     """
 
@@ -223,9 +225,11 @@ class ListState:
         value: list[Any],
         base: ListVersion | None,
     ) -> PlannedList:
-        """The rows that store ``value`` as ``version`` of ``channel``: a delta against
-        ``base`` (the parent checkpoint's version) when ``value`` starts with ``base``'s items
-        and the chain is shorter than ``snapshot_every``, else a snapshot."""
+        """The rows that store ``value`` as ``version`` of ``channel``. ``base`` is the parent
+        checkpoint's version of the channel (None: unknown). When ``value`` starts with
+        ``base``'s items and the chain is shorter than ``snapshot_every``, a delta: an anchor
+        (extending the snapshot) every ``anchor_every`` versions, else a leaf (extending the
+        last anchor); otherwise a snapshot."""
         plain = [self._digest_serde.dumps_typed(item) for item in value]
         digests: list[bytes] = []
         base_digests = split_digests(base.digests) if base is not None else []

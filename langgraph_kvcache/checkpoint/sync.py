@@ -75,10 +75,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and
             :meth:`sweep_expired` here). Needs ``kv_server``.
         snapshot_every: List channels that grow by appending store each version as the new
-            items plus a link to the version it extends, with a full snapshot (of item
-            references) every ``snapshot_every`` versions, so a read follows at most
-            ``snapshot_every - 1`` links (default 100; 1: every version a snapshot). See
-            :mod:`.lists`.
+            items' references plus a link to the version it extends, with a full snapshot (of
+            item references) every ``snapshot_every`` versions (default 100; 1: every version
+            a snapshot); a read follows at most two links. See :mod:`.lists` and the docs page
+            "Checkpoint storage".
     """
 
     def __init__(
