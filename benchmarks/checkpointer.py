@@ -338,7 +338,7 @@ def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
             a, b = ours.per_step(first, last), peer.per_step(first, last)
             label = f"bytes/step {name} {SIZE_AT}"
             print(f"{lead} {label:<26} {a:>11.0f} {b:>11.0f} {a / b:>8.3f}x")
-        print(f"{'':<15} (peer: {peer_name})")
+        print(f"{'':<15} (peer: {peer_name})", flush=True)
 
 
 def main() -> None:
@@ -351,19 +351,18 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.steps) < 2 * SIZE_AT:
         parser.error(f"--steps must be at least {2 * SIZE_AT} (bytes per step span {SIZE_AT})")
-    rows = []
+    print(
+        f"{' and '.join(map(str, args.steps))}-step threads x {args.repeat} per saver; rates "
+        "at the median call time (savers interleaved call by call)\n",
+        flush=True,
+    )
     for steps in args.steps:
         with tempfile.TemporaryDirectory() as tmp:
             ours, peer = run_sqlite(steps, args.repeat, Path(tmp))
-            rows.append(("sqlite", steps, "SqliteSaver", ours, peer))
+            print_table([("sqlite", steps, "SqliteSaver", ours, peer)])
         if not args.no_postgres:
             ours, peer = run_postgres(steps, args.repeat)
-            rows.append(("postgres", steps, "PostgresSaver", ours, peer))
-    print(
-        f"\n{' and '.join(map(str, args.steps))}-step threads x {args.repeat} per saver; rates "
-        "at the median call time (savers interleaved call by call)\n"
-    )
-    print_table(rows)
+            print_table([("postgres", steps, "PostgresSaver", ours, peer)])
 
 
 if __name__ == "__main__":

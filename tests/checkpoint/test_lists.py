@@ -13,6 +13,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
 from langgraph.graph import START, MessagesState, StateGraph
 from sqlalchemy import event, func, select, text
 
+from langgraph_kvcache.checkpoint import queries
 from langgraph_kvcache.checkpoint import sync as sync_module
 from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
 from langgraph_kvcache.checkpoint.lists import ITEMS_TYPE, split_digests
@@ -265,6 +266,11 @@ async def test_async_saver_lists_and_delta(db_url: str) -> None:
         builder.add_edge(START, "echo")
         graph = builder.compile(checkpointer=saver)
         cfg = {"configurable": {"thread_id": "a"}}
+        # More new items than one PostgreSQL put statement carries (queries.PUT_INLINE_ITEMS).
+        seed = [HumanMessage(f"seed {i}", id=f"s{i}") for i in range(queries.PUT_INLINE_ITEMS + 4)]
+        await graph.ainvoke({"messages": seed}, cfg)
+        await graph.aupdate_state(cfg, {"messages": [RemoveMessage(id=m.id) for m in seed]})
+        await graph.aupdate_state(cfg, {"messages": [RemoveMessage(id="__remove_all__")]})
         for i in range(12):
             await graph.ainvoke({"messages": [HumanMessage(f"q{i}", id=f"q{i}")]}, cfg)
         await graph.aupdate_state(cfg, {"messages": [RemoveMessage(id="q3")]})
@@ -279,4 +285,4 @@ async def test_async_saver_lists_and_delta(db_url: str) -> None:
         ]
         assert "q3" not in [m.id for m in state.values["messages"]]
         history = [s async for s in graph.aget_state_history(cfg)]
-        assert len(history[-2].values["messages"]) == 1
+        assert history[-2].values["messages"] == seed
