@@ -168,8 +168,15 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         fetched: dict[bytes, tuple[str, bytes]] = {}
         for (thread_id, ns), digests in loaded.item_digests().items():
             missing = self.lists.missing(digests)
-            for stmt, params in queries.item_batches(missing):
-                scope = {"thread_id": thread_id, "checkpoint_ns": ns}
+            scope = {"thread_id": thread_id, "checkpoint_ns": ns}
+            # A reader that lacks most of them (a cold start) takes the whole thread's items in
+            # one statement, so its next reads of the thread need none; else by digest.
+            batches = (
+                [(queries.select_thread_items(), {})]
+                if 2 * len(missing) > len(digests)
+                else queries.item_batches(missing)
+            )
+            for stmt, params in batches:
                 got = yield Stmt(stmt, {**scope, **params}, fetch=True, plain=True)
                 for r in got:
                     typed = (r["type"], bytes(r["blob"]))

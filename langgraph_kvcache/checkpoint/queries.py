@@ -354,6 +354,15 @@ def select_items(n: int) -> Any:
     )
 
 
+@cache
+def select_thread_items() -> Any:
+    """Every list item of (``:thread_id``, ``:checkpoint_ns``)."""
+    i = items.c
+    return select(i.item, i.type, i.blob).where(
+        i.thread_id == bindparam("thread_id"), i.checkpoint_ns == bindparam("checkpoint_ns")
+    )
+
+
 def item_batches(digests: list[bytes]) -> list[tuple[Any, dict[str, Any]]]:
     """(statement, digest parameters) pairs that fetch ``digests``, padded to prebuilt sizes."""
     out = []
