@@ -200,11 +200,13 @@ def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
         llm.reset_prefix_cache()
         hit = llm.generate(batch, [params(i, False) for i in idx], use_tqdm=False)
         llm.reset_prefix_cache()
-        for i, r, h in zip(idx, ref, hit, strict=True):
-            rows.append(
-                {"prompt": i, "prompt_len": len(prompts[i]), "cached": h.num_cached_tokens,
-                 "ref": _tokens(r), "hit": _tokens(h)}
-            )  # fmt: skip
+        batch_rows = [
+            {"prompt": i, "prompt_len": len(prompts[i]), "cached": h.num_cached_tokens,
+             "ref": _tokens(r), "hit": _tokens(h)}
+            for i, r, h in zip(idx, ref, hit, strict=True)
+        ]  # fmt: skip
+        print("ROWS " + json.dumps(batch_rows), flush=True)  # partial results survive a timeout
+        rows += batch_rows
     llm.llm_engine.engine_core.shutdown()
     return {"format": spec["format"], "rows": rows}
 
@@ -252,14 +254,22 @@ def quality(model: Path, formats: list[str], n: int, batch: int, out: Path) -> N
             }  # fmt: skip
             spec_file = Path(tmp) / "spec.json"
             spec_file.write_text(json.dumps(spec))
-            proc = subprocess.run(
+            rows = results[name] = []
+            with subprocess.Popen(
                 [sys.executable, __file__, "_quality-engine", str(spec_file)],
-                capture_output=True, text=True, env={**os.environ, **_ENGINE_ENV},
-            )  # fmt: skip
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"{name} engine failed:\n{proc.stderr[-4000:]}")
-            rows = results[name] = json.loads(lines[-1][7:])["rows"]
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                env={**os.environ, **_ENGINE_ENV},
+            ) as proc:  # fmt: skip
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.startswith("ROWS "):
+                        rows += json.loads(line[5:])
+                        (out / "compression_quality.json").write_text(json.dumps(results))
+                        s = compare(rows)
+                        print(f"  {name}: {len(rows)} prompts, {s['identical']:.1%} identical",
+                              flush=True)  # fmt: skip
+            if proc.returncode or not rows:
+                raise SystemExit(f"{name} engine failed (exit {proc.returncode})")
         (out / "compression_quality.json").write_text(json.dumps(results))
         first = next(iter(results.values()))
         same = sum(
@@ -275,10 +285,26 @@ def quality(model: Path, formats: list[str], n: int, batch: int, out: Path) -> N
         )
 
 
+def report(sources: list[Path]) -> None:
+    """The quality table of saved (possibly partial) runs."""
+    print("format    prompts  identical  first-divergence  |logprob diff|  hit prompts")
+    for src in sources:
+        for name, rows in json.loads(src.read_text()).items():
+            if not rows:
+                continue
+            s = compare(rows)
+            print(
+                f"{name:>9} {len(rows):>7} {s['identical']:>10.1%} {s['first_divergence']:>17.2f} "
+                f"{s['logprob_diff']:>15.5f} {s['hit_prompts']:>12.0%}"
+            )
+
+
 # ----------------------------------------------------------------------------------- capacity
 
 
 def _human(n: int) -> str:
+    if n % (1 << 20):
+        return f"{n}B"
     return f"{n / (1 << 30):g}GiB" if n >= 1 << 30 else f"{n >> 20}MiB"
 
 
@@ -319,7 +345,8 @@ def capacity(model: Path, formats: list[str], args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="lgkv-capacity-") as tmp:
             cmd = [
                 sys.executable, "-m", "server", "--model", str(model), "--dtype", "float32",
-                "--max-model-len", "8192", "--served-model-name", "bench", "--enforce-eager",
+                "--max-model-len", str(args.max_model_len), "--served-model-name", "bench",
+                "--enforce-eager",
                 "--kv-cache-memory-bytes", str(args.resident_bytes),
                 "--kv-ram-bytes", str(ram_bytes), "--kv-disk-bytes", "0",
                 "--kv-offload-dtype", fmt, "--cache-dir", tmp, "--port", str(port),
@@ -374,7 +401,15 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("what", choices=["sizes", "codec", "quality", "capacity", "all"])
+    p.add_argument("what", choices=["sizes", "codec", "quality", "capacity", "all", "report"])
+    p.add_argument(
+        "--from",
+        dest="sources",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="report: compression_quality.json files of (partial) quality runs",
+    )
     p.add_argument("--model", type=Path, default=default_model_dir())
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=FORMATS)
     p.add_argument("--prompts", type=int, default=120, help="quality: prompts")
@@ -388,9 +423,12 @@ def main() -> None:
     p.add_argument("--ram-bytes", type=int, default=512 << 20, help="capacity: small RAM tier")
     p.add_argument("--reserved-cpus", type=int, default=0, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     p.add_argument("--late-from", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=8192, help="capacity: context length")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
     print("command: python benchmarks/compression.py " + " ".join(sys.argv[1:]), flush=True)
+    if args.what == "report":
+        report(args.sources)
     if args.what in ("sizes", "all"):
         sizes(args.model)
     if args.what in ("codec", "all"):

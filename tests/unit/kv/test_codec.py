@@ -255,3 +255,15 @@ def test_settings_and_config_validate_the_format(tmp_path: Path) -> None:
     assert env_settings({"LGKV_KV_OFFLOAD_DTYPE": "BFloat16"}) == {"kv_offload_dtype": "bfloat16"}
     with pytest.raises(ConfigError, match="--kv-offload-dtype"):
         ServerConfig(kv_offload_dtype="int4", cache_dir=tmp_path)
+
+
+def test_redis_keys_name_the_format() -> None:
+    pytest.importorskip("redis")
+    from server.kv.tiers.redis import RedisStore
+
+    prefixes = {
+        name: RedisStore("redis://127.0.0.1:1/0", manifest(name), ttl_s=60).prefix
+        for name in ("auto", "int8", "float16")
+    }
+    assert len(set(prefixes.values())) == 3  # an int8 replica never reads a float16 value
+    assert prefixes["int8"] == f"lgkv:{manifest('int8').fingerprint()}:"
