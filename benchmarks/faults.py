@@ -464,7 +464,7 @@ def full_disk(make: Callable[..., Server], size_mb: int = 20) -> Figures:
             server.stop()
         return {
             **_tally(tally),
-            "full-disk warnings": count_lines(log, r"file system full"),
+            "full-disk warnings": count_lines(log, r"file system full, a write failed"),
             "per-block write warnings": count_lines(log, r"not written to disk"),
         }
     finally:

@@ -116,11 +116,11 @@ class DiskSpace:
 
     def fit_at_start(self, index: BlockIndex) -> None:
         """Cap the budget at what the file system can hold (warns when it must)."""
-        self._shrink(index, reason="at start")
+        self._shrink(index, reason="the file system cannot hold the budget")
 
     def on_write_failed(self, index: BlockIndex) -> None:
         """A write failed: if the file system is full, lower the budget to what it holds."""
-        self._shrink(index, reason="a write failed")
+        self._shrink(index, reason="file system full, a write failed")
 
     def maybe_regrow(self, index: BlockIndex) -> None:
         """After a full disk, raise the budget again as room returns (rate-limited)."""
@@ -147,12 +147,11 @@ class DiskSpace:
         if room >= index.disk_bytes:
             return  # not a full file system (an I/O error: the worker logged it)
         log.warning(
-            "disk tier %s: file system full (%d bytes free, %s): budget lowered from %d to %d "
-            "bytes (%d block files); new blocks replace the oldest, the budget grows back as "
-            "room returns",
+            "disk tier %s: %s (%d bytes free): budget lowered from %d to %d bytes (%d block "
+            "files); new blocks replace the oldest, the budget grows back as room returns",
             self.root,
-            free,
             reason,
+            free,
             index.disk_bytes,
             room,
             room // self.file_bytes,
