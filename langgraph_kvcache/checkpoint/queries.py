@@ -39,7 +39,6 @@ from sqlalchemy import (
     null,
     select,
     true,
-    union,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -158,36 +157,38 @@ def checkpoint_rows(
 def _blob_chain(refs: Any, *, distinct: bool) -> Any:
     """The blobs ``refs`` (thread, namespace, channel, version) name, and for list versions
     stored as deltas the versions they extend (``base_version``): at most two links, a leaf's
-    anchor and the snapshot (:mod:`.lists`), each a primary-key lookup. ``UNION`` (distinct)
+    anchor and the snapshot (:mod:`.lists`). A recursive CTE, so each link is a primary-key
+    lookup from the row before it whatever the planner's statistics. ``UNION`` (distinct)
     when many references may share a link, else ``UNION ALL``."""
-    levels = [blobs.alias(f"l{i}") for i in range(3)]
-
-    def on(row: Any, version: Any, ref: Any) -> Any:
-        return (
-            (row.c.thread_id == ref.c.thread_id)
-            & (row.c.checkpoint_ns == ref.c.checkpoint_ns)
-            & (row.c.channel == ref.c.channel)
-            & (row.c.version == version)
-        )
-
-    parts = []
-    for depth in range(3):
-        row = levels[depth]
-        query = select(
-            row.c.thread_id,
-            row.c.checkpoint_ns,
-            row.c.channel,
-            row.c.version,
-            row.c.type,
-            row.c.blob,
-            row.c.base_version,
-            row.c.since_snapshot,
-        ).select_from(refs)
-        query = query.join(levels[0], on(levels[0], refs.c.version, refs))
-        for i in range(1, depth + 1):
-            query = query.join(levels[i], on(levels[i], levels[i - 1].c.base_version, refs))
-        parts.append(query)
-    return (union(*parts) if distinct else union_all(*parts)).subquery("chain")
+    b = blobs.c
+    columns = (
+        b.thread_id,
+        b.checkpoint_ns,
+        b.channel,
+        b.version,
+        b.type,
+        b.blob,
+        b.base_version,
+        b.since_snapshot,
+    )
+    start = select(*columns).join_from(
+        refs,
+        blobs,
+        (b.thread_id == refs.c.thread_id)
+        & (b.checkpoint_ns == refs.c.checkpoint_ns)
+        & (b.channel == refs.c.channel)
+        & (b.version == refs.c.version),
+    )
+    chain = start.cte("chain", recursive=True)
+    step = select(*columns).join_from(
+        chain,
+        blobs,
+        (b.thread_id == chain.c.thread_id)
+        & (b.checkpoint_ns == chain.c.checkpoint_ns)
+        & (b.channel == chain.c.channel)
+        & (b.version == chain.c.base_version),
+    )
+    return chain.union(step) if distinct else chain.union_all(step)
 
 
 @cache
