@@ -60,6 +60,9 @@ least 2)."""
 
 OPS = ("invoke", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)")
 
+SIZE_ONLY = False
+"""``--size-only``: write the threads and measure sizes, no reads (and no read rates)."""
+
 SIZE_AT = 100
 """Bytes per step are measured over the first and the last ``SIZE_AT`` steps."""
 
@@ -211,8 +214,9 @@ def bench_pair(
         if r == 0:
             for side in (0, 1):
                 results[side].sizes[steps] = results[side].size_bytes = sizes[side]()
-        with readers() as savers:
-            _read_pass(savers, writers, results, steps, r)
+        if not SIZE_ONLY:
+            with readers() as savers:
+                _read_pass(savers, writers, results, steps, r)
     for result in results:
         result.items["list (whole thread)"] = steps
     return results
@@ -327,7 +331,7 @@ def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
     print("-" * len(header))
     for backend, steps, peer_name, ours, peer in rows:
         lead = f"{backend:<9} {steps:>5}"
-        for op in OPS:
+        for op in OPS[:1] if SIZE_ONLY else OPS:
             a, b = ours.rate(op), peer.rate(op)
             print(f"{lead} {op + ' /s':<26} {a:>11.1f} {b:>11.1f} {a / b:>8.2f}x")
         a_mb, b_mb = ours.size_bytes / 2**20, peer.size_bytes / 2**20
@@ -348,7 +352,12 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=2, help="threads per saver and length")
     parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
+    parser.add_argument(
+        "--size-only", action="store_true", help="write and measure sizes and invoke only"
+    )
     args = parser.parse_args()
+    global SIZE_ONLY
+    SIZE_ONLY = args.size_only
     if min(args.steps) < 2 * SIZE_AT:
         parser.error(f"--steps must be at least {2 * SIZE_AT} (bytes per step span {SIZE_AT})")
     print(
