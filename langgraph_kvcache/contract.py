@@ -30,6 +30,7 @@ __all__ = [
     "PREFETCH_OP",
     "SESSION_ID_PATTERN",
     "SESSION_ID_RULE",
+    "SYNC_OP",
     "UNSET",
     "XARG_OP",
     "XARG_SESSION",
@@ -118,6 +119,9 @@ XARG_OP: Final = "lgkv_op"
 """``extra_args`` key of a control operation carried by an engine request."""
 PREFETCH_OP: Final = "prefetch"
 """Value of ``extra_args[XARG_OP]`` of the engine request that performs a prefetch."""
+SYNC_OP: Final = "sync"
+"""Value of ``extra_args[XARG_OP]`` of the engine request that applies recorded deletes now:
+it finishes once the engine has dropped the blocks and removed their files."""
 
 
 class Unset:

@@ -140,7 +140,6 @@ def _open_control(config: ServerConfig, engine: Any) -> Any:
     config.cache_dir.mkdir(parents=True, exist_ok=True)
     return SessionControl(
         config.cache_dir,
-        disk_dir=config.disk_dir,
         default_ttl_s=config.kv_session_ttl,
         engine_client=engine,
     )

@@ -157,6 +157,8 @@ async def delete_session(session_id: SessionId, request: Request) -> SessionDele
     control = _control(request)
     check_session_id(session_id)
     freed = await _call(control.delete, session_id, _tenant(request))
+    if freed:
+        await control.settle()  # the engine removes the blocks and their files before we answer
     return SessionDeleted(id=session_id, freed_blocks=freed)
 
 

@@ -5,19 +5,24 @@ How the API process reaches the engine process
 vLLM runs the scheduler (and our scheduler-side connector) in the engine-core process, often
 not the API process, and that loop sleeps while it has no requests. Two channels connect them:
 
-1. The registry (SQLite, WAL) for everything that must hold when a call returns. ``delete``
-   removes the session's rows, unlinks the files of blocks no other session references, and
-   appends those keys to the ``drops`` table; the engine's scheduler reads new drops before any
-   lookup (and every step), so it can never serve a dropped block from its index, and frees the
-   RAM slots. A missing file is a miss in any case, never a wrong answer. ``copy``, pins and
-   TTLs are rows the engine re-reads (``PRAGMA data_version`` tells it when something changed).
-2. The engine's own request queue for work that must run in the engine now: ``prefetch``
-   submits a one-token request carrying ``extra_args={"lgkv_op": "prefetch", ...}`` through
-   ``engine_client.generate``. This wakes an idle engine; the connector sees the op in
-   ``get_num_new_matched_tokens``, moves the session's blocks disk -> RAM, holds the request
-   until the copies finished, publishes block locations to the registry and lets the dummy
-   request run (one token). ``collective_rpc`` was not used: it reaches workers only, not the
-   scheduler that owns the index and the RAM slots.
+One owner of each piece of state: the engine owns expiry and block files; this process records
+requests and reads state.
+
+1. The registry (SQLite, WAL) records requests. ``delete`` removes the session's rows and, in
+   the same transaction, appends the keys of blocks no other session references to the
+   ``drops`` table; the engine's scheduler reads new drops before any lookup (and every step),
+   so it never serves a dropped block, frees their RAM slots and has the worker remove their
+   files. ``copy``, pins and TTLs are rows the engine re-reads (``PRAGMA data_version`` tells it
+   when something changed). Expired sessions are hidden from every read here; the engine
+   purges them (every few seconds, and at each sync).
+2. The engine's own request queue for work that must run in the engine now. ``prefetch``
+   submits a one-token request carrying ``extra_args={XARG_OP: PREFETCH_OP, ...}`` through
+   ``engine_client.generate``; this wakes an idle engine, the connector sees the op in
+   ``get_num_new_matched_tokens``, moves the session's blocks disk -> RAM and holds the
+   request until the copies finished. :meth:`SessionControl.settle` submits a ``SYNC_OP``
+   request the same way after a delete: it finishes once the engine has applied the drops and
+   removed the files, so a ``DELETE`` answers when the blocks are gone. ``collective_rpc`` was
+   not used: it reaches workers only, not the scheduler that owns the index and the RAM slots.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from langgraph_kvcache.contract import (
     PREFETCH_OP,
+    SYNC_OP,
     UNSET,
     XARG_OP,
     XARG_SESSION,
@@ -44,7 +50,6 @@ from langgraph_kvcache.contract import (
 )
 from server.kv.registry import Registry, SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
-from server.kv.tiers.disk import remove_block_files
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +102,10 @@ class SessionControl:
         self,
         cache_dir: Path,
         *,
-        disk_dir: Path | None = None,
         default_ttl_s: float | None = None,
         engine_client: object | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
-        self.disk_dir = Path(disk_dir) if disk_dir is not None else self.cache_dir / "blocks"
         self.default_ttl_s = default_ttl_s
         self.engine_client = engine_client
         self.registry = Registry(self.cache_dir / REGISTRY_FILE)
@@ -113,14 +116,12 @@ class SessionControl:
         """A tenant's live sessions, most recently used first."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
-        self._purge()
         rows = self.registry.list_sessions(tenant, limit, offset)
-        return [self._info(r) for r in rows if _readable(r)]
+        return [self._info(r) for r in rows if _readable(r) and not _expired(r)]
 
     def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
         check_session_id(session_id)
-        self._purge()
         return self._info(self._row(session_id, tenant))
 
     # --------------------------------------------------------------- mutations
@@ -136,7 +137,6 @@ class SessionControl:
         """Create an empty session; :class:`SessionExists` if the id is taken."""
         check_session_id(session_id)
         check_ttl(ttl_seconds)
-        self._purge()
         ttl = ttl_seconds if ttl_seconds is not None else self.default_ttl_s
         if not self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned):
             raise SessionExists(f"session {session_id!r} already exists")
@@ -154,7 +154,6 @@ class SessionControl:
         check_session_id(session_id)
         set_ttl = not isinstance(ttl_seconds, Unset)
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
-        self._purge()
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned
         ):
@@ -164,15 +163,19 @@ class SessionControl:
     def delete(self, session_id: str, tenant: str) -> int:
         """Delete a session and free its blocks no other session uses; return how many.
 
-        The files of the freed blocks are unlinked before this returns; the engine drops the
-        same blocks from RAM at its next step (see the module docstring).
+        Records the delete; the engine drops the freed blocks and removes their files at its
+        next step, or at once through :meth:`settle` (see the module docstring).
         """
         check_session_id(session_id)
         orphans = self.registry.delete_session(tenant, session_id)
         if orphans is None:
             raise SessionNotFound(f"session {session_id!r} not found")
-        self._free(orphans)
         return len(orphans)
+
+    async def settle(self) -> None:
+        """Have the engine apply recorded deletes and expiries now; returns once the freed
+        blocks are out of every tier and their files are gone (no engine: returns at once)."""
+        await self._engine_op(SYNC_OP, {})
 
     def copy(
         self, source_id: str, target_id: str, tenant: str, *, overwrite: bool = False
@@ -180,7 +183,6 @@ class SessionControl:
         """Fork a session: the target gets the source's block list (blocks are shared)."""
         check_session_id(source_id)
         check_session_id(target_id)
-        self._purge()
         if source_id == target_id:
             raise SessionExists(f"session {target_id!r} is the source itself")
         result = self.registry.copy_session(tenant, source_id, target_id, overwrite=overwrite)
@@ -195,22 +197,10 @@ class SessionControl:
     async def prefetch(self, session_id: str, tenant: str) -> dict[str, int]:
         """Move the session's blocks disk -> RAM in the engine now; return block counts."""
         check_session_id(session_id)
-        self._purge()
         row = self._row(session_id, tenant)
         self.registry.mark_managed(tenant, session_id)
-        if self.engine_client is not None and row.num_blocks:
-            from vllm import SamplingParams  # the API process has vLLM loaded already
-
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=0.0,
-                detokenize=False,
-                extra_args={XARG_OP: PREFETCH_OP, XARG_SESSION: session_id, XARG_TENANT: tenant},
-            )
-            generate = self.engine_client.generate  # type: ignore[attr-defined]
-            request_id = f"lgkv-prefetch-{uuid.uuid4().hex}"
-            async for _ in generate({"prompt_token_ids": [0]}, params, request_id):
-                pass
+        if row.num_blocks:
+            await self._engine_op(PREFETCH_OP, {XARG_SESSION: session_id, XARG_TENANT: tenant})
         usage = self.registry.tier_usage(tenant, session_id)
         return {"blocks": row.num_blocks, "ram_blocks": usage["ram"].blocks}
 
@@ -228,9 +218,22 @@ class SessionControl:
 
     # ----------------------------------------------------------------- helpers
 
+    async def _engine_op(self, op: str, args: dict[str, str]) -> None:
+        """Run a control operation in the engine as a one-token request (see the module doc)."""
+        if self.engine_client is None:
+            return
+        from vllm import SamplingParams  # the API process has vLLM loaded already
+
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, extra_args={XARG_OP: op, **args}
+        )
+        generate = self.engine_client.generate  # type: ignore[attr-defined]
+        async for _ in generate({"prompt_token_ids": [0]}, params, f"lgkv-{op}-{uuid.uuid4().hex}"):
+            pass
+
     def _row(self, session_id: str, tenant: str) -> SessionRow:
         row = self.registry.get_session(tenant, session_id)
-        if row is None or not _readable(row):
+        if row is None or not _readable(row) or _expired(row):
             raise SessionNotFound(f"session {session_id!r} not found")
         return row
 
@@ -250,14 +253,6 @@ class SessionControl:
             tiers={k: TierUsage(v.blocks, v.bytes) for k, v in usage.items()},
         )
 
-    def _purge(self) -> None:
-        self._free(self.registry.purge_expired(time.time()))
-
-    def _free(self, keys: list[str]) -> None:
-        if keys:
-            remove_block_files(self.disk_dir, keys)
-            self.registry.add_drops(keys)
-
 
 def _readable(row: SessionRow) -> bool:
     """False (and one warning) for a stored row no answer can carry: a non-finite time or TTL
@@ -271,3 +266,8 @@ def _readable(row: SessionRow) -> bool:
         row.id, row.tenant, values, row.id,
     )  # fmt: skip
     return False
+
+
+def _expired(row: SessionRow) -> bool:
+    """Past its TTL: gone for every reader, though the engine may not have purged it yet."""
+    return row.expires_at is not None and row.expires_at < time.time()

@@ -207,6 +207,19 @@ class BlockIndex:
             state.disk_confirmed = True
             self.dirty.add(key)
 
+    def read_failed(self, key: str) -> None:
+        """A file was unreadable. When a newer write of the block is queued (its disk copy is
+        not confirmed yet: the block was recomputed and saved meanwhile), that write replaces
+        the bad file, so the file is kept; otherwise as :meth:`disk_lost`."""
+        state = self.blocks.get(key)
+        if state is not None and state.on_disk and not state.disk_confirmed:
+            if state.slot != NO_SLOT and not state.ram_ready:
+                state.dropped = True
+            self.dirty.add(key)
+            self._settle(state)
+            return
+        self.disk_lost(key)
+
     def disk_lost(self, key: str) -> None:
         """A write failed or a file was unreadable: the block is no longer on disk."""
         state = self.blocks.get(key)

@@ -93,6 +93,8 @@ class WorkerReport:
     """Duration of each finished load job."""
     save_seconds: list[float] = field(default_factory=list)
     """Duration of each step's RAM copies and of each disk write."""
+    removed: list[str] = field(default_factory=list)
+    """Keys whose file removal finished (removed, already absent, or failed with a warning)."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Combine the reports of several workers (tensor-parallel ranks)."""
@@ -106,6 +108,7 @@ class WorkerReport:
             released_slots=self.released_slots + other.released_slots,
             load_seconds=self.load_seconds + other.load_seconds,
             save_seconds=self.save_seconds + other.save_seconds,
+            removed=self.removed + other.removed,
         )
 
     def is_empty(self) -> bool:
@@ -121,5 +124,6 @@ class WorkerReport:
                 self.released_slots,
                 self.load_seconds,
                 self.save_seconds,
+                self.removed,
             )
         )

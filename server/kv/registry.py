@@ -6,8 +6,8 @@ Tables:
 - ``session_blocks``: a session's ordered block keys (hex vLLM block hashes). Blocks are
   content-addressed, so a copy is a copy of this list.
 - ``blocks``: where the engine last reported each block (``ram``/``disk`` flags, bytes).
-- ``drops``: block keys the API process freed (their files already unlinked); the engine reads
-  new rows and forgets those blocks in every tier.
+- ``drops``: block keys freed by a delete or an expiry, recorded in the same transaction; the
+  engine reads new rows, forgets those blocks in every tier and removes their files.
 - ``stats``: the engine's counters (added as deltas) and gauges (set), read by ``metrics()``.
 
 Every method opens its own short transaction; a connection is shared by the threads of one
@@ -22,73 +22,20 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    tenant TEXT NOT NULL, id TEXT NOT NULL,
-    num_tokens INTEGER NOT NULL DEFAULT 0, turns INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL, last_used_at REAL NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0, ttl_seconds REAL,
-    gap_count INTEGER NOT NULL DEFAULT 0, gap_mean REAL NOT NULL DEFAULT 0,
-    managed INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (tenant, id)
-);
-CREATE TABLE IF NOT EXISTS session_blocks (
-    tenant TEXT NOT NULL, session_id TEXT NOT NULL, idx INTEGER NOT NULL, key TEXT NOT NULL,
-    PRIMARY KEY (tenant, session_id, idx)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS session_blocks_key ON session_blocks (key);
-CREATE TABLE IF NOT EXISTS blocks (
-    key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL,
-    ram INTEGER NOT NULL DEFAULT 0, disk INTEGER NOT NULL DEFAULT 0,
-    redis INTEGER NOT NULL DEFAULT 0
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
-"""
-
-_DROPS_KEPT = 100_000
-"""How many newest ``drops`` rows are kept (older ones are deleted at TTL purges)."""
-
-_SESSION_COLS = (
-    "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
-    "gap_count, gap_mean, managed"
+from server.kv.registry_sql import (
+    DROPS_KEPT,
+    SESSION_COLS,
+    SessionRow,
+    TierCount,
+    delete_rows,
+    migrate,
+    record_drops,
+    row_from,
 )
 
-
-@dataclass(frozen=True)
-class SessionRow:
-    """One session as stored (times are unix seconds)."""
-
-    tenant: str
-    id: str
-    num_tokens: int
-    turns: int
-    created_at: float
-    last_used_at: float
-    pinned: bool
-    ttl_seconds: float | None
-    gap_count: int
-    gap_mean: float
-    managed: bool = False
-    """Registered through the session API (by a checkpointer): its owner will come back, so
-    the eviction policy keeps it after sessions that only requests created."""
-    num_blocks: int = 0
-
-    @property
-    def expires_at(self) -> float | None:
-        """When the session expires (last use + TTL), or None without a TTL."""
-        return None if self.ttl_seconds is None else self.last_used_at + self.ttl_seconds
-
-
-@dataclass(frozen=True)
-class TierCount:
-    """Blocks and bytes of one session in one tier."""
-
-    blocks: int
-    bytes: int
+__all__ = ["Registry", "SessionRow", "TierCount"]
 
 
 class Registry:
@@ -105,15 +52,7 @@ class Registry:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         with self._write() as db:
-            for stmt in _SCHEMA.strip().split(";"):
-                if stmt.strip():
-                    db.execute(stmt)
-            cols = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
-            if "redis" not in cols:  # registries from before the Redis tier
-                db.execute("ALTER TABLE blocks ADD COLUMN redis INTEGER NOT NULL DEFAULT 0")
-            cols = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
-            if "managed" not in cols:  # registries from before managed sessions
-                db.execute("ALTER TABLE sessions ADD COLUMN managed INTEGER NOT NULL DEFAULT 0")
+            migrate(db)
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -144,22 +83,22 @@ class Registry:
     def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
         """The session, or None if unknown (expired sessions are purged by the caller)."""
         rows = self._read(
-            f"SELECT {_SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
             "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
             "WHERE tenant = ? AND id = ?",
             (tenant, session_id),
         )
-        return _row(rows[0]) if rows else None
+        return row_from(rows[0]) if rows else None
 
     def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
         """A tenant's sessions, most recently used first."""
         rows = self._read(
-            f"SELECT {_SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
             "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s WHERE tenant = ? "
             "ORDER BY last_used_at DESC, id LIMIT ? OFFSET ?",
             (tenant, limit, offset),
         )
-        return [_row(r) for r in rows]
+        return [row_from(r) for r in rows]
 
     def count_sessions(self) -> int:
         """Number of sessions of all tenants."""
@@ -168,9 +107,16 @@ class Registry:
     def create_session(
         self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
     ) -> bool:
-        """Insert an empty session; False if it already exists."""
+        """Insert an empty session; False if it already exists (an expired one that the engine
+        has not purged yet counts as gone: it is deleted, its blocks recorded as drops)."""
         now = time.time()
         with self._write() as db:
+            old = db.execute(
+                "SELECT ttl_seconds, last_used_at FROM sessions WHERE tenant = ? AND id = ?",
+                (tenant, session_id),
+            ).fetchone()
+            if old is not None and old[0] is not None and old[1] + old[0] < now:
+                record_drops(db, delete_rows(db, tenant, session_id) or [])
             cur = db.execute(
                 "INSERT OR IGNORE INTO sessions (tenant, id, created_at, last_used_at, pinned, "
                 "ttl_seconds, managed) VALUES (?, ?, ?, ?, ?, ?, 1)",
@@ -269,9 +215,12 @@ class Registry:
         return [r[0] for r in rows]
 
     def delete_session(self, tenant: str, session_id: str) -> list[str] | None:
-        """Delete a session; return its keys no other session references (None: unknown)."""
+        """Delete a session and record its keys no other session references as drops, in one
+        transaction; return those keys (None: unknown). The engine removes their files."""
         with self._write() as db:
-            return _delete(db, tenant, session_id)
+            orphans = delete_rows(db, tenant, session_id)
+            record_drops(db, orphans or [])
+            return orphans
 
     def copy_session(self, tenant: str, source: str, target: str, *, overwrite: bool) -> str:
         """Fork ``source`` into ``target``. Returns "ok", "no_source" or "target_exists"."""
@@ -291,7 +240,7 @@ class Registry:
                 return "target_exists"
             if exists is not None:
                 # Blocks the old target alone held stay in the tiers' LRU; the engine evicts them.
-                _delete(db, tenant, target)
+                delete_rows(db, tenant, target)
             num_tokens, turns, _pinned, ttl, gap_count, gap_mean = src
             db.execute(
                 "INSERT INTO sessions (tenant, id, num_tokens, turns, created_at, last_used_at, "
@@ -317,16 +266,17 @@ class Registry:
             ).fetchall()
             orphans: list[str] = []
             for tenant, sid in expired:
-                orphans.extend(_delete(db, tenant, sid) or [])
+                orphans.extend(delete_rows(db, tenant, sid) or [])
+            record_drops(db, sorted(set(orphans)))
             # Bounded history of drops: engines read them within seconds of their writing.
             db.execute(
-                "DELETE FROM drops WHERE seq <= (SELECT max(seq) FROM drops) - ?", (_DROPS_KEPT,)
+                "DELETE FROM drops WHERE seq <= (SELECT max(seq) FROM drops) - ?", (DROPS_KEPT,)
             )
             return sorted(set(orphans))
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
         """All sessions and all (tenant, session id, key) references, for the eviction policy."""
-        sessions = [_row((*r, 0)) for r in self._read(f"SELECT {_SESSION_COLS} FROM sessions")]
+        sessions = [row_from((*r, 0)) for r in self._read(f"SELECT {SESSION_COLS} FROM sessions")]
         refs = self._read("SELECT tenant, session_id, key FROM session_blocks")
         return sessions, [(t, s, k) for t, s, k in refs]
 
@@ -370,12 +320,9 @@ class Registry:
         }
 
     def add_drops(self, keys: Iterable[str]) -> None:
-        """Tell the engine these blocks are gone (their files already removed)."""
-        keys = list(keys)
-        if keys:
-            with self._write() as db:
-                db.executemany("INSERT INTO drops (key) VALUES (?)", [(k,) for k in keys])
-                db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in keys])
+        """Record freed block keys for the engine (which drops them in every tier)."""
+        with self._write() as db:
+            record_drops(db, keys)
 
     def drops_after(self, seq: int) -> tuple[int, list[str]]:
         """Drops newer than ``seq``: (the newest seq, their keys)."""
@@ -407,44 +354,3 @@ class Registry:
     def stats(self) -> dict[str, float]:
         """All stored counters and gauges."""
         return {name: float(value) for name, value in self._read("SELECT name, value FROM stats")}
-
-
-def _row(r: tuple) -> SessionRow:
-    return SessionRow(
-        tenant=r[0],
-        id=r[1],
-        num_tokens=int(r[2]),
-        turns=int(r[3]),
-        created_at=float(r[4]),
-        last_used_at=float(r[5]),
-        pinned=bool(r[6]),
-        ttl_seconds=None if r[7] is None else float(r[7]),
-        gap_count=int(r[8]),
-        gap_mean=float(r[9]),
-        managed=bool(r[10]),
-        num_blocks=int(r[11]),
-    )
-
-
-def _delete(db: sqlite3.Connection, tenant: str, session_id: str) -> list[str] | None:
-    found = db.execute(
-        "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
-    ).fetchone()
-    if found is None:
-        return None
-    keys = [
-        r[0]
-        for r in db.execute(
-            "SELECT DISTINCT key FROM session_blocks WHERE tenant = ? AND session_id = ?",
-            (tenant, session_id),
-        )
-    ]
-    db.execute(
-        "DELETE FROM session_blocks WHERE tenant = ? AND session_id = ?", (tenant, session_id)
-    )
-    db.execute("DELETE FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id))
-    return [
-        k
-        for k in keys
-        if db.execute("SELECT 1 FROM session_blocks WHERE key = ? LIMIT 1", (k,)).fetchone() is None
-    ]

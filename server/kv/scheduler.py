@@ -27,6 +27,7 @@ from typing import Any
 from langgraph_kvcache.contract import (
     DEFAULT_TENANT,
     PREFETCH_OP,
+    SYNC_OP,
     XARG_OP,
     XARG_SESSION,
     XARG_TENANT,
@@ -101,7 +102,10 @@ class SessionKVScheduler:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, _Lookup] = {}
-        self._prefetching: dict[str, set[str]] = {}
+        self._held: dict[str, set[str]] = {}
+        """Control requests (prefetch, sync) held until these keys' reads or removals finish."""
+        self._removing: set[str] = set()
+        """Keys whose file removal was planned and not yet confirmed by the worker."""
         self._plan = StepPlan()
         self._counters: dict[str, float] = {}
         self._last_flush = 0.0
@@ -125,6 +129,8 @@ class SessionKVScheduler:
         tracked = self._track(request)
         if tracked.op == PREFETCH_OP:
             return self._prefetch_step(request.request_id, tracked)
+        if tracked.op == SYNC_OP:
+            return self._sync_step(request.request_id)
         hashes = request.block_hashes
         start = num_computed_tokens // self.block_size
         end = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -229,6 +235,7 @@ class SessionKVScheduler:
             time.sleep(_IDLE_POLL_S)
         plan, self._plan = self._plan, StepPlan()
         plan.removes, self.index.removes = self.index.removes, []
+        self._removing.update(plan.removes)
         return plan
 
     def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
@@ -258,12 +265,15 @@ class SessionKVScheduler:
         for key in report.redis_written:
             self._redis_until[key] = time.time() + self.settings.redis_ttl_s
             self.index.dirty.add(key)
-        for key in report.write_failed + report.read_failed:
+        for key in report.write_failed:
             self.index.disk_lost(key)
+        for key in report.read_failed:
+            self.index.read_failed(key)
         for slot in report.released_slots:
             self.index.release(slot, owners)
-        done = set(report.read_ok) | set(report.read_failed)
-        for pending in self._prefetching.values():
+        self._removing.difference_update(report.removed)
+        done = set(report.read_ok) | set(report.read_failed) | set(report.removed)
+        for pending in self._held.values():
             pending -= done
         for name, values in (("load", report.load_seconds), ("save", report.save_seconds)):
             self._count(f"lgkv_{name}_seconds_sum", sum(values))
@@ -273,7 +283,7 @@ class SessionKVScheduler:
 
     def has_pending_work(self) -> bool:
         """True while disk writes or removes are unconfirmed (keeps the engine stepping)."""
-        if self.index.removes or any(self._prefetching.values()):
+        if self.index.removes or self._removing or any(self._held.values()):
             return True
         return any(s.on_disk and not s.disk_confirmed for s in self.index.blocks.values())
 
@@ -283,7 +293,7 @@ class SessionKVScheduler:
         """Record the session's turn; forget the request."""
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        self._prefetching.pop(request.request_id, None)
+        self._held.pop(request.request_id, None)
         if tracked is None or tracked.op is not None or tracked.session is None:
             return
         tenant, sid = tracked.session
@@ -354,7 +364,7 @@ class SessionKVScheduler:
         return tracked
 
     def _prefetch_step(self, req_id: str, tracked: _Tracked) -> tuple[int | None, bool]:
-        if req_id not in self._prefetching:
+        if req_id not in self._held:
             pending: set[str] = set()
             if tracked.session is not None:
                 try:
@@ -374,21 +384,30 @@ class SessionKVScheduler:
                     self.index.touch(key)
                     self._plan.reads.append((key, slot))
                     pending.add(key)
-            self._prefetching[req_id] = pending
-        if self._prefetching[req_id]:
+            self._held[req_id] = pending
+        if self._held[req_id]:
             return None, False
         self.flush(force=True)
         return 0, False
 
-    def _sync_registry(self) -> None:
-        """Apply the API process's drops and reload pins/TTLs when the registry changed."""
+    def _sync_step(self, req_id: str) -> tuple[int | None, bool]:
+        """A ``SYNC_OP`` request: purge expired sessions and apply recorded deletes now, and
+        hold the request until the worker has removed the freed blocks' files."""
+        if req_id not in self._held:
+            self._sync_registry(force=True)
+            self._held[req_id] = set(self.index.removes) | self._removing
+        return (None, False) if self._held[req_id] else (0, False)
+
+    def _sync_registry(self, *, force: bool = False) -> None:
+        """Apply the API process's drops and reload pins/TTLs when the registry changed; purge
+        expired sessions every few seconds (the engine is the one owner of expiry)."""
         try:
             now = time.monotonic()
-            if now - self._last_purge > _PURGE_EVERY_S:
+            if force or now - self._last_purge > _PURGE_EVERY_S:
                 self._last_purge = now
                 self._drop(self.registry.purge_expired())
             version = self.registry.data_version()
-            if version == self._data_version:
+            if version == self._data_version and not force:
                 return
             self._drop_seq, dropped = self.registry.drops_after(self._drop_seq)
             self._drop(dropped)

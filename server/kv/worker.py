@@ -189,6 +189,8 @@ class SessionKVWorker:
                 self._report.write_failed.append(payload)  # type: ignore[arg-type]
             elif kind == "redis_written":
                 self._report.redis_written.append(payload)  # type: ignore[arg-type]
+            elif kind == "removed":
+                self._report.removed.append(payload)  # type: ignore[arg-type]
         finished, self._finished_loads = self._finished_loads, set()
         errors, self._load_errors = self._load_errors, set()
         return finished, errors
@@ -287,11 +289,13 @@ class SessionKVWorker:
                 with self._pending_lock:
                     if self._pending_writes.get(key) is data:
                         del self._pending_writes[key]
-        elif kind == "remove" and store is not None:
-            try:
-                store.remove(payload)  # type: ignore[arg-type]
-            except OSError as e:
-                log.warning("KV block file %s not removed: %s", payload, e)
+        elif kind == "remove":
+            if store is not None:
+                try:
+                    store.remove(payload)  # type: ignore[arg-type]
+                except OSError as e:
+                    log.warning("KV block file %s not removed: %s", payload, e)
+            self._done.put(("removed", payload))  # confirmed even when it failed
 
 
 class _JobQueue:

@@ -83,8 +83,17 @@ def test_session_filled_by_requests_then_copied_prefetched_deleted(
         assert pre.json()["blocks"] == info["num_blocks"]
 
         # The fork still holds every block, so deleting the source frees none.
+        files = _block_files(lgkv_server)
         assert c.delete("/v1/sessions/api-filled").json()["freed_blocks"] == 0
+        assert files <= _block_files(lgkv_server)  # nothing removed
         assert c.delete("/v1/sessions/api-fork").json()["freed_blocks"] == info["num_blocks"]
+        # The engine removed the freed blocks' files before the DELETE answered.
+        gone = files - _block_files(lgkv_server)
+        assert len(gone) == info["num_blocks"], (len(gone), info["num_blocks"])
+
+
+def _block_files(server: ServerProcess) -> set[str]:
+    return {p.name for p in (server.cache_dir / "blocks").rglob("*.kvb")}
 
 
 @pytest.mark.parametrize(

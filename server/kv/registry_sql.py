@@ -1,0 +1,142 @@
+"""The session registry's SQLite schema, its row types and the SQL shared by its writers.
+
+:class:`server.kv.registry.Registry` is the interface; this module holds what its methods share:
+the tables (:func:`migrate`, append-only column additions for older files), the row dataclasses,
+and the helpers that run inside a writer's transaction (:func:`delete_rows`,
+:func:`record_drops`), so a delete and the drops the engine reads commit together.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    tenant TEXT NOT NULL, id TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL DEFAULT 0, turns INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL, last_used_at REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0, ttl_seconds REAL,
+    gap_count INTEGER NOT NULL DEFAULT 0, gap_mean REAL NOT NULL DEFAULT 0,
+    managed INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, id)
+);
+CREATE TABLE IF NOT EXISTS session_blocks (
+    tenant TEXT NOT NULL, session_id TEXT NOT NULL, idx INTEGER NOT NULL, key TEXT NOT NULL,
+    PRIMARY KEY (tenant, session_id, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS session_blocks_key ON session_blocks (key);
+CREATE TABLE IF NOT EXISTS blocks (
+    key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL,
+    ram INTEGER NOT NULL DEFAULT 0, disk INTEGER NOT NULL DEFAULT 0,
+    redis INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
+"""
+
+DROPS_KEPT = 100_000
+"""How many newest ``drops`` rows are kept (older ones are deleted at TTL purges)."""
+
+SESSION_COLS = (
+    "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
+    "gap_count, gap_mean, managed"
+)
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """One session as stored (times are unix seconds)."""
+
+    tenant: str
+    id: str
+    num_tokens: int
+    turns: int
+    created_at: float
+    last_used_at: float
+    pinned: bool
+    ttl_seconds: float | None
+    gap_count: int
+    gap_mean: float
+    managed: bool = False
+    """Registered through the session API (by a checkpointer): its owner will come back, so
+    the eviction policy keeps it after sessions that only requests created."""
+    num_blocks: int = 0
+
+    @property
+    def expires_at(self) -> float | None:
+        """When the session expires (last use + TTL), or None without a TTL."""
+        return None if self.ttl_seconds is None else self.last_used_at + self.ttl_seconds
+
+
+@dataclass(frozen=True)
+class TierCount:
+    """Blocks and bytes of one session in one tier."""
+
+    blocks: int
+    bytes: int
+
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Create the tables, and add the columns older registry files lack."""
+    for stmt in SCHEMA.strip().split(";"):
+        if stmt.strip():
+            db.execute(stmt)
+    cols = {r[1] for r in db.execute("PRAGMA table_info(blocks)")}
+    if "redis" not in cols:  # registries from before the Redis tier
+        db.execute("ALTER TABLE blocks ADD COLUMN redis INTEGER NOT NULL DEFAULT 0")
+    cols = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
+    if "managed" not in cols:  # registries from before managed sessions
+        db.execute("ALTER TABLE sessions ADD COLUMN managed INTEGER NOT NULL DEFAULT 0")
+
+
+def record_drops(db: sqlite3.Connection, keys: Iterable[str]) -> None:
+    """Record freed block keys for the engine (which drops them and removes their files)."""
+    rows = [(k,) for k in keys]
+    if rows:
+        db.executemany("INSERT INTO drops (key) VALUES (?)", rows)
+        db.executemany("DELETE FROM blocks WHERE key = ?", rows)
+
+def row_from(r: tuple) -> SessionRow:
+    """A ``sessions`` row (``SESSION_COLS`` plus the block count) as a :class:`SessionRow`."""
+    return SessionRow(
+        tenant=r[0],
+        id=r[1],
+        num_tokens=int(r[2]),
+        turns=int(r[3]),
+        created_at=float(r[4]),
+        last_used_at=float(r[5]),
+        pinned=bool(r[6]),
+        ttl_seconds=None if r[7] is None else float(r[7]),
+        gap_count=int(r[8]),
+        gap_mean=float(r[9]),
+        managed=bool(r[10]),
+        num_blocks=int(r[11]),
+    )
+
+
+def delete_rows(db: sqlite3.Connection, tenant: str, session_id: str) -> list[str] | None:
+    """Delete a session's rows; return its keys no other session references (None: unknown)."""
+    found = db.execute(
+        "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
+    ).fetchone()
+    if found is None:
+        return None
+    keys = [
+        r[0]
+        for r in db.execute(
+            "SELECT DISTINCT key FROM session_blocks WHERE tenant = ? AND session_id = ?",
+            (tenant, session_id),
+        )
+    ]
+    db.execute(
+        "DELETE FROM session_blocks WHERE tenant = ? AND session_id = ?", (tenant, session_id)
+    )
+    db.execute("DELETE FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id))
+    return [
+        k
+        for k in keys
+        if db.execute("SELECT 1 FROM session_blocks WHERE key = ? LIMIT 1", (k,)).fetchone() is None
+    ]
