@@ -360,7 +360,7 @@ def capacity(model: Path, formats: list[str], args: argparse.Namespace) -> None:
             finally:
                 _stop(proc)
         omp = sorted({ln.split("]", 1)[-1].strip() for ln in log.read_text().splitlines()
-                      if "OMP" in ln})  # fmt: skip
+                      if "OMP" in ln or "core ids" in ln})  # fmt: skip
         for ln in omp:
             print(f"  {name} OMP: {ln}")
         late = [t for t in turns if t.turn >= args.late_from]
@@ -416,6 +416,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="quality: prompts per generate call")
     p.add_argument("--codec-batch", type=int, default=8, help="codec: blocks per call")
     p.add_argument("--reps", type=int, default=20, help="codec: repetitions")
+    p.add_argument("--threads", type=int, default=0, help="codec: torch threads (0: default)")
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--answer-tokens", type=int, default=16)
@@ -432,6 +433,10 @@ def main() -> None:
     if args.what in ("sizes", "all"):
         sizes(args.model)
     if args.what in ("codec", "all"):
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         codec_cost(args.model, args.codec_batch, args.reps)
     if args.what in ("quality", "all"):
         quality(args.model, args.formats, args.prompts, args.batch, args.out)

@@ -208,6 +208,7 @@ class SessionControl:
         """Prometheus samples (engine counters from the registry)."""
         stored = self.registry.stats()
         out = {name: float(stored.get(name, 0.0)) for name in _COUNTERS}
+        out.update({k: v for k, v in stored.items() if k.startswith("lgkv_kv_compression_ratio")})
         out["lgkv_sessions"] = float(self.registry.count_sessions())
         return out
 

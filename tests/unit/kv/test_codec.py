@@ -267,3 +267,17 @@ def test_redis_keys_name_the_format() -> None:
     }
     assert len(set(prefixes.values())) == 3  # an int8 replica never reads a float16 value
     assert prefixes["int8"] == f"lgkv:{manifest('int8').fingerprint()}:"
+
+
+def test_compression_ratio_reaches_the_metrics(tmp_path: Path) -> None:
+    from server.kv.control import SessionControl
+    from server.kv.registry import Registry
+
+    reg = Registry(tmp_path / "sessions.sqlite3")
+    reg.add_stats({}, {'lgkv_kv_compression_ratio{format="int8"}': 3.88})
+    reg.close()
+    control = SessionControl(tmp_path)
+    try:
+        assert control.metrics()['lgkv_kv_compression_ratio{format="int8"}'] == 3.88
+    finally:
+        control.close()
