@@ -132,9 +132,10 @@ def _churn(
     client: httpx.Client, conversations: int, prefix: str, stop: threading.Event,
     calls: int, out: LoadResult, lock: threading.Lock,
 ) -> None:  # fmt: skip
-    """Session API calls on live conversations: copy, pin, prefetch, unpin, delete the copy."""
+    """Session API calls on live conversations: copy, pin, prefetch, unpin, delete the copy.
+    Runs all ``calls`` rounds (a fast load may end first); ``stop`` only cuts the pauses."""
     i = 0
-    while i < calls and not stop.is_set():
+    while i < calls:
         sid = f"{prefix}-{i % conversations}"
         copy = f"{sid}.fork{i}"
         for method, path, body in (
@@ -151,7 +152,8 @@ def _churn(
                 if r.status_code >= 500 or r.status_code not in (200, 201, 404, 409):
                     out.api_errors.append(f"{method} {path}: {r.status_code} {r.text[:120]}")
         i += 1
-        time.sleep(0.05)
+        if not stop.is_set():
+            time.sleep(0.05)
 
 
 def run_load(

@@ -146,7 +146,10 @@ async def test_async_saver_keeps_sessions_in_step(
         )
         second = turn_of(await graph.ainvoke({"messages": [HumanMessage("Item 4?")]}, config))
         print(f"\n  async saver, second turn covers {second.cover(first):.1%} of the first")
-        assert second.cached >= first.prompt // BLOCK_TOKENS * BLOCK_TOKENS  # every full block
+        # Every full block but the one holding the first prompt's last token: rendered again
+        # with the answer after it, that token ("assistant\n") can merge with the answer's
+        # first one (a "\n" answer makes "\n\n"), which changes that block's hash.
+        assert second.cached >= (first.prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS
         assert kv.get_session(a).ttl_seconds == 900
 
         await saver.acopy_thread(a, b)
