@@ -57,6 +57,10 @@ __all__ = [
 DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_KV_RAM_BYTES = 1 << 30
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 << 20
+"""Resident KV budget on CPU when ``--kv-cache-memory-bytes`` is not given (raised to one
+``--max-model-len`` context where that needs more); vLLM's own CPU default is 92% of the
+memory node, which fails beside any other process of some size."""
 DEFAULT_KV_DISK_BYTES = 16 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_TOOL_CALL_PARSER = "hermes"
@@ -123,9 +127,13 @@ class ServerConfig:
 
     kv_cache_memory_bytes: int | None = setting(
         None, flag="--kv-cache-memory-bytes", env="LGKV_KV_CACHE_MEMORY_BYTES", parse=parse_size,
-        vllm=True, size=True, help="resident KV cache budget",
+        vllm=True, size=True,
+        help=f"resident KV cache budget (CPU default {DEFAULT_CPU_KV_CACHE_MEMORY_BYTES >> 20}MiB)",
     )  # fmt: skip
-    """Resident (paged, on-device) KV cache budget. ``None``: vLLM sizes it itself."""
+    """Resident (paged, on-device) KV cache budget, printed at start. ``None``: on CPU 512 MiB,
+    or one ``--max-model-len`` context of the model if that needs more (the RAM and disk tiers
+    hold the rest; vLLM's CPU default would take 92% of the memory node); on GPUs vLLM sizes it
+    itself (``--gpu-memory-utilization``)."""
 
     kv_offload: bool = setting(
         True, flag="--no-kv-offload", env="LGKV_NO_KV_OFFLOAD", parse=parse_bool, switch=True,

@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import ConfigError, ServerConfig, connector_extra_config
+from server.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY_BYTES,
+    ConfigError,
+    ServerConfig,
+    connector_extra_config,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
@@ -32,6 +38,9 @@ SHUTDOWN_TIMEOUT_S = 30
 """Default ``--shutdown-timeout``: on SIGTERM the engine drains in-flight requests and the
 connector's queued disk writes for at most this long (vLLM's own default, 0, aborts at once
 and loses the writes still queued)."""
+CPU_BLOCK_TOKENS = 128
+"""vLLM's KV block size on CPU."""
+log = logging.getLogger("server")
 
 
 class ModelNotFoundError(ConfigError):
@@ -101,8 +110,9 @@ def vllm_argv(config: ServerConfig) -> list[str]:
     ]  # fmt: skip
     if config.max_model_len is not None:
         argv += ["--max-model-len", str(config.max_model_len)]
-    if config.kv_cache_memory_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes)]
+    resident, _why = resident_kv_bytes(config, model, dtype, on_cpu)
+    if resident is not None:
+        argv += ["--kv-cache-memory-bytes", str(resident)]
     enforce_eager = on_cpu if config.enforce_eager is None else config.enforce_eager
     if enforce_eager:
         argv.append("--enforce-eager")
@@ -129,6 +139,39 @@ def vllm_argv(config: ServerConfig) -> list[str]:
         }
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     return argv + list(config.vllm_args)
+
+
+def resident_kv_bytes(
+    config: ServerConfig, model: str, dtype: str, on_cpu: bool
+) -> tuple[int | None, str]:
+    """The resident KV budget (``--kv-cache-memory-bytes``) to give vLLM, and where it comes
+    from: the flag; on CPU :data:`~server.config.DEFAULT_CPU_KV_CACHE_MEMORY_BYTES`, raised to
+    one ``--max-model-len`` context of the model where that needs more; on GPUs ``None``
+    (vLLM's own ``--gpu-memory-utilization`` sizing)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+    if not on_cpu or _has_flag(config.vllm_args, "--gpu-memory-utilization"):
+        return None, "vLLM's own sizing (--gpu-memory-utilization)"
+    context = _context_bytes(model, dtype, config.max_model_len)
+    if context is not None and context[0] > DEFAULT_CPU_KV_CACHE_MEMORY_BYTES:
+        return context[0], f"one {context[1]}-token context of the model (CPU default)"
+    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, "CPU default"
+
+
+def _context_bytes(model: str, dtype: str, max_model_len: int | None) -> tuple[int, int] | None:
+    """(KV bytes, tokens) of one full context, from a local model folder's config.json;
+    ``None`` when the folder or its geometry is not there."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        tokens = int(max_model_len or cfg["max_position_embeddings"])
+        per_token = 2 * int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    blocks = -(-tokens // CPU_BLOCK_TOKENS)
+    elem = 4 if dtype in ("float32", "float") else 2
+    return blocks * CPU_BLOCK_TOKENS * per_token * elem, tokens
 
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
@@ -165,6 +208,10 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     configure_logging_from_args(args)  # vLLM's logging now (it would at engine start)...
     use_vllm_logging()  # ...so that ours, from the first line on, has its format too
     validate_parsed_serve_args(args)
+    resident, why = resident_kv_bytes(config, args.model, args.dtype, _on_cpu())
+    if resident is not None:
+        rest = "the KV tiers hold the rest" if config.kv_offload else "no KV tiers"
+        log.info("resident KV cache: %d MiB (%s); %s", resident >> 20, why, rest)
     try:
         validate_api_server_args(args)
     except KeyError as exc:
