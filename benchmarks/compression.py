@@ -328,10 +328,10 @@ def capacity(model: Path, formats: list[str], args: argparse.Namespace) -> None:
     users = _user_turns(args.conversations, args.turns)
     ram = args.ram_bytes
     configs = [("auto", ram), ("auto", 4 * ram)] + [(f, ram) for f in formats if f != "auto"]
-    env = {
-        **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus),
-    }  # fmt: skip
+    from examples.server_process import equal_cores_env, omp_cores
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.update(equal_cores_env(args.reserved_cpus))
     print(
         f"capacity: {args.conversations} conversations x {args.turns} turns, resident "
         f"{_human(args.resident_bytes)}, disk off, VLLM_CPU_NUM_OF_RESERVED_CPU="
@@ -359,10 +359,7 @@ def capacity(model: Path, formats: list[str], args: argparse.Namespace) -> None:
                 gauges = _gauges(httpx.get(f"{url}/metrics", timeout=30).text)
             finally:
                 _stop(proc)
-        omp = sorted({ln.split("]", 1)[-1].strip() for ln in log.read_text().splitlines()
-                      if "OMP" in ln or "core ids" in ln})  # fmt: skip
-        for ln in omp:
-            print(f"  {name} OMP: {ln}")
+        print(f"  {name}: {omp_cores(log)}")
         late = [t for t in turns if t.turn >= args.late_from]
         rows.append(
             {

@@ -1,27 +1,35 @@
-"""Load scenario: many conversations at once, session API calls during the load, answers checked.
+"""Load scenarios: many conversations at once, answers checked.
 
 C conversations run T turns each, all at once, from K client threads (each conversation's turns
-in order, with its real answers appended, greedy). Meanwhile a churn thread calls the session
-API (copy, pin, prefetch, unpin, delete of the copies) on the conversations in flight. The same
-conversations then run on a cache-off server (``--no-kv-offload --no-enable-prefix-caching``,
-plain recompute) and every answer is compared. Printed: requests, errors, 5xx, answers that
-differ, requests/s, cached share of prompt tokens, TTFT p50/p95, session API calls and their
-errors, and whether anything was still in flight at the end.
+in order, with its real answers appended, greedy; TTFT from the first streamed token).
 
-    python benchmarks/load.py                          # 32 conversations x 5 turns, 256 MiB
+``--mode churn`` (default): meanwhile a churn thread calls the session API (copy, pin, prefetch,
+unpin, delete of the copies) on the conversations in flight. The same conversations then run on
+a cache-off server (``--no-kv-offload --no-enable-prefix-caching``, plain recompute) and every
+answer is compared. Printed: requests, errors, 5xx, answers that differ, requests/s, cached
+share of prompt tokens, TTFT p50/p95, session API calls and their errors, and whether anything
+was still in flight at the end.
+
+``--mode concurrent``: no session API calls; three servers in one invocation: vLLM with its
+prefix cache at the resident budget (``--no-kv-offload``, prefix caching on), this server at the
+same budget, and vLLM with a budget that holds every conversation (``--full``), whose answers
+are the reference. Printed: requests, errors, requests/s, prompt tokens/s, cached share, TTFT
+p50/p95 of the turns after the first, and how many greedy answers equal the reference's.
+
+    python benchmarks/load.py                          # churn: 32 conversations x 5 turns
     python benchmarks/load.py --conversations 96 --clients 3
     python benchmarks/load.py --conversations 8 --turns 3 --model tiny   # quick
+    python benchmarks/load.py --mode concurrent --conversations 16 --turns 6 --resident 384MiB
 
-Both servers get the same model, dtype, flags and cores (``VLLM_CPU_NUM_OF_RESERVED_CPU`` set
-for both; each server's OMP core list is printed from its log). The suite runs a short version
-against its shared server (tests/integration/server/test_server_load.py).
+Every server gets the same model, dtype, flags and cores (``examples.server_process``'s
+``equal_cores_env``: vLLM's automatic OpenMP binding and ``VLLM_CPU_NUM_OF_RESERVED_CPU`` from
+``--reserved-cpus`` for all); each server's OMP core list is printed from its log. The suite runs
+a short version against its shared server (tests/integration/server/test_server_load.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
 import sys
 import threading
@@ -199,14 +207,19 @@ def differing(a: LoadResult, b: LoadResult) -> list[tuple[int, int]]:
     return sorted(k for k in a.answers if k in b.answers and a.answers[k] != b.answers[k])
 
 
-def summary(name: str, r: LoadResult, reference: LoadResult | None) -> str:
+def _ttft(r: LoadResult) -> str:
     p = sorted(r.ttft_s)
     p50 = statistics.median(p) if p else float("nan")
     p95 = p[min(len(p) - 1, int(0.95 * len(p)))] if p else float("nan")
+    return f"{p50:.2f} / {p95:.2f} s"
+
+
+def summary(name: str, r: LoadResult, reference: LoadResult | None) -> str:
+    """A row of :data:`HEADER` (``churn`` mode)."""
     diff = "-" if reference is None else f"{len(differing(r, reference))}/{len(r.answers)}"
     return (
         f"| {name} | {r.requests} | {len(r.errors)} | {r.server_errors} | {diff} | "
-        f"{r.requests / r.wall_s:.2f} | {r.cached_share:.0%} | {p50:.2f} / {p95:.2f} s | "
+        f"{r.requests / r.wall_s:.2f} | {r.cached_share:.0%} | {_ttft(r)} | "
         f"{r.api_calls} | {len(r.api_errors)} | {r.in_flight_at_end} |"
     )
 
@@ -218,26 +231,67 @@ HEADER = (
 )
 
 
-def _core_list(log: Path) -> str:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    pattern = r"OMP threads binding[^\n]*|OMP_NUM_THREADS[^\n]*|cpus?[^\n]*bind[^\n]*"
-    found = re.findall(pattern, text)
-    return found[-1].strip() if found else "(no OMP core line in the log)"
+def concurrent_summary(name: str, r: LoadResult, reference: LoadResult | None) -> str:
+    """A row of :data:`CONCURRENT_HEADER`: answers compared with the hold-everything run's."""
+    if reference is None:
+        same = "(reference)"
+    else:
+        both = [k for k in r.answers if k in reference.answers]
+        same = f"{len(both) - len(differing(r, reference))}/{len(both)}"
+    return (
+        f"| {name} | {r.requests} | {len(r.errors)} | {r.requests / r.wall_s:.2f} | "
+        f"{r.prompt_tokens / r.wall_s:.0f} | {r.cached_share:.0%} | {_ttft(r)} | {same} |"
+    )
+
+
+CONCURRENT_HEADER = (
+    "| server | requests | errors | req/s | prompt tokens/s | cached | TTFT p50 / p95 "
+    "(turns 2+) | answers = hold-everything |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+@dataclass(frozen=True)
+class _Run:
+    name: str
+    flags: list[str]
+    resident: str
+    api_calls: int = 0
+
+
+def _runs(args: argparse.Namespace) -> list[_Run]:
+    """The servers of a mode, the reference (what the others' answers are compared with) last."""
+    if args.mode == "churn":
+        return [
+            _Run("langgraph-kvcache", [], args.resident, args.api_calls),
+            _Run("cache off (recompute)", ["--no-kv-offload", "--no-enable-prefix-caching"],
+                 args.resident),
+        ]  # fmt: skip
+    return [
+        _Run(f"vLLM prefix caching, resident {args.resident}", ["--no-kv-offload"], args.resident),
+        _Run(f"langgraph-kvcache, resident {args.resident}", [], args.resident),
+        _Run(f"vLLM prefix caching, resident {args.full} (holds all)", ["--no-kv-offload"],
+             args.full),
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from examples.server_process import ServerProcess
+    from examples.server_process import ServerProcess, equal_cores_env
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--mode", choices=["churn", "concurrent"], default="churn")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--api-calls", type=int, default=60, help="churn rounds (5 calls each)")
-    ap.add_argument("--resident", default="256MiB", help="--kv-cache-memory-bytes of both")
+    ap.add_argument("--resident", default="256MiB", help="--kv-cache-memory-bytes of the servers")
+    ap.add_argument("--full", default="2GiB", help="concurrent: the hold-everything budget")
+    ap.add_argument("--max-model-len", default="4096")
     ap.add_argument("--model", default=None, help="model folder, or 'tiny' for the test model")
-    ap.add_argument("--reserved-cpus", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for both")
+    ap.add_argument("--reserved-cpus", type=int, default=0,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server")  # fmt: skip
     args = ap.parse_args(argv)
 
     model_dir = None
@@ -249,36 +303,37 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.model:
         model_dir = Path(args.model)
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
-    common = ["--kv-cache-memory-bytes", args.resident, "--max-model-len", "4096",
+    common = ["--max-model-len", args.max_model_len,
               "--max-num-seqs", str(max(8, min(args.conversations, 64)))]  # fmt: skip
-    runs: dict[str, LoadResult] = {}
-    logs: dict[str, Path] = {}
+    results: dict[str, LoadResult] = {}
+    cores: dict[str, str] = {}
     say: Callable[[str], None] = lambda m: print(f"[load] {m}", flush=True)  # noqa: E731
-    for name, flags in (
-        ("cache off (recompute)", ["--no-kv-offload", "--no-enable-prefix-caching"]),
-        ("langgraph-kvcache", []),
-    ):
-        with ServerProcess(flags=[*common, *flags], model=model_dir, progress=say) as server:
-            logs[name] = server.log_path
-            say(f"{name}: {args.conversations} conversations x {args.turns} turns")
-            runs[name] = run_load(
+    for run in _runs(args):
+        flags = [*common, "--kv-cache-memory-bytes", run.resident, *run.flags]
+        env = equal_cores_env(args.reserved_cpus)
+        with ServerProcess(flags=flags, model=model_dir, progress=say, env=env) as server:
+            say(f"{run.name}: {args.conversations} conversations x {args.turns} turns")
+            results[run.name] = run_load(
                 server.url, server.model_name, conversations=args.conversations,
                 turns=args.turns, clients=args.clients, max_tokens=args.max_tokens,
-                api_calls=0 if "off" in name else args.api_calls,
+                api_calls=run.api_calls,
             )  # fmt: skip
-    reference = runs["cache off (recompute)"]
-    print(HEADER)
-    for name, r in runs.items():
-        print(summary(name, r, None if r is reference else reference))
-    for name, log in logs.items():
-        print(f"{name}: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {_core_list(log)}")
-    for name, r in runs.items():
+            cores[run.name] = server.omp_cores()
+    *names, ref_name = results
+    reference = results[ref_name]
+    row = summary if args.mode == "churn" else concurrent_summary
+    print(HEADER if args.mode == "churn" else CONCURRENT_HEADER)
+    for name in [*names, ref_name]:
+        r = results[name]
+        print(row(name, r, None if r is reference else reference))
+    for name, line in cores.items():
+        print(f"{name}: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {line}")
+    for name, r in results.items():
         for line in (r.errors + r.api_errors)[:5]:
             print(f"  {name}: {line}")
-    ours = runs["langgraph-kvcache"]
+    ours = next(r for name, r in results.items() if name.startswith("langgraph-kvcache"))
     bad = ours.errors or ours.api_errors or differing(ours, reference) or ours.in_flight_at_end
-    return 1 if bad else 0
+    return 1 if bad or reference.errors else 0
 
 
 if __name__ == "__main__":

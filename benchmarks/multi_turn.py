@@ -8,7 +8,11 @@ through vLLM's resident KV cache and push it out. Three servers run in one invoc
 - ``kvcache``: this server at the same resident budget, plus its RAM and disk tiers;
 - ``vllm-all``: plain vLLM with a resident budget that holds every conversation.
 
-All three get the same engine flags (model, float32, eager mode, context length). For each
+All three get the same engine flags (model, float32, eager mode, context length) and the same
+cores (``examples.server_process.equal_cores_env``: vLLM's automatic OpenMP binding and
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` from ``--reserved-cpus`` for all; without it plain vLLM keeps a
+core for its scheduler and this server, with a KV connector, none on 2 cores). Each server's OMP
+core list is printed from its log. For each
 server and turn it reports TTFT p50/p95 (from the first streamed token) and the prompt
 cache hit rate (``cached_tokens / prompt_tokens``), prints a table, writes JSON and a PNG plot.
 
@@ -34,6 +38,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 @dataclass
@@ -201,6 +206,7 @@ def summarize(runs: list[RunResult], late_from: int) -> dict:
 
 
 def print_table(runs: list[RunResult], table: dict, late_from: int) -> None:
+    """The per-turn table, the late turns' summary and the ratios of the issue's goals."""
     turns = sorted(table[runs[0].name]["per_turn"])
     print("\nTTFT p50 / p95 in seconds, hit rate = cached/prompt tokens")
     print(f"{'turn':>4} | " + " | ".join(f"{r.name:>24}" for r in runs))
@@ -262,14 +268,20 @@ def main() -> None:
     p.add_argument("--full-bytes", default=str(4 << 30), help="budget that holds everything")
     p.add_argument("--ram-bytes", default=str(3 << 30), help="this server's RAM tier")
     p.add_argument("--late-from", type=int, default=4, help="first turn counted as 'late'")
+    p.add_argument("--max-model-len", type=int, default=8192, help="context length of all")
     p.add_argument("--only", nargs="*", choices=["vllm", "kvcache", "vllm-all"])
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small run for a smoke test")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
     if args.quick:
         args.conversations, args.turns = min(args.conversations, 4), min(args.turns, 3)
     args.out.mkdir(parents=True, exist_ok=True)
+    from examples.server_process import equal_cores_env, omp_cores
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.update(equal_cores_env(args.reserved_cpus))
     users = _user_turns(args.conversations, args.turns)
     common = [
         "--model",
@@ -277,7 +289,7 @@ def main() -> None:
         "--dtype",
         "float32",
         "--max-model-len",
-        "8192",
+        str(args.max_model_len),
         "--served-model-name",
         "bench",
         "--enable-prompt-tokens-details",
@@ -323,6 +335,7 @@ def main() -> None:
         ),
     }
     runs: list[RunResult] = []
+    cores: dict[str, str] = {}
     for name, (desc, cmd) in configs.items():
         if args.only and name not in args.only:
             continue
@@ -330,7 +343,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"lgkv-bench-{name}-") as tmp:
             extra = ["--cache-dir", tmp] if name == "kvcache" else []
             print(f"starting {name}: {desc}", flush=True)
-            proc = _start([*cmd, *extra, "--port", str(port)], port, args.out / f"{name}.log", env)
+            log = args.out / f"{name}.log"
+            proc = _start([*cmd, *extra, "--port", str(port)], port, log, env)
+            cores[name] = omp_cores(log)
             try:
                 turns = run_workload(
                     f"http://127.0.0.1:{port}", "bench", users, args.answer_tokens, name
@@ -340,10 +355,13 @@ def main() -> None:
         runs.append(RunResult(name, desc, turns))
     table = summarize(runs, args.late_from)
     print_table(runs, table, args.late_from)
+    for name, line in cores.items():
+        print(f"  {name}: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {line}")
     (args.out / "multi_turn.json").write_text(
         json.dumps(
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
+                "omp_cores": cores,
                 "summary": table,
                 "runs": [asdict(r) for r in runs],
             },

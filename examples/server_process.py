@@ -23,6 +23,12 @@ with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
 
 The server's output goes to ``<log_dir>/server.log`` (a temp folder by default), never to
 the caller's terminal.
+
+Comparisons (the benchmarks, ``make demo``) give every server the same CPU cores:
+:func:`equal_cores_env` is the environment to start each with, :func:`omp_cores` reads back from a
+server's log which cores its engine's OpenMP threads got. Left alone, vLLM's CPU backend reserves
+one core for its scheduler process without a KV connector and none with one on a 2-core machine
+(a connector asks for a second reserved core, which exceeds the cores, so vLLM reserves none).
 """
 
 from __future__ import annotations
@@ -30,19 +36,28 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
-__all__ = ["ServerProcess", "ServerStartError", "free_port", "locate_model"]
+__all__ = [
+    "RESERVED_CPUS",
+    "ServerProcess",
+    "ServerStartError",
+    "equal_cores_env",
+    "free_port",
+    "locate_model",
+    "omp_cores",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENV = {
@@ -52,6 +67,38 @@ SERVER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 """Environment defaults for the child (a variable already set in ``os.environ`` wins)."""
+RESERVED_CPUS = 0
+"""``VLLM_CPU_NUM_OF_RESERVED_CPU`` of :func:`equal_cores_env`: on a 2-core machine reserving one
+core for vLLM's scheduler process halves the OpenMP threads of the forward pass."""
+
+
+def equal_cores_env(reserved: int = RESERVED_CPUS) -> dict[str, str]:
+    """Environment that gives every vLLM server (plain or with a KV connector) the same OpenMP
+    cores on CPU: vLLM's automatic binding and the same explicit reservation. Give it to every
+    server of a comparison; it beats ``os.environ``."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
+
+
+def omp_cores(log: Path | str) -> str:
+    """Which cores a vLLM CPU engine bound its OpenMP threads to, from the last "OpenMP thread
+    binding info" lines of its log (``vllm/utils/ompmultiprocessing.py``), e.g.
+    ``OMP core ids [0, 1], reserved [] (bind 'auto', reserve_cpu_num=0)``."""
+    text = Path(log).read_text(errors="replace") if Path(log).is_file() else ""
+    start = text.rfind("OpenMP thread binding info")
+    if start < 0:
+        return "(no OpenMP binding line in the log)"
+    block = text[start : start + 2000]
+
+    def field(pattern: str) -> str:
+        found = re.search(pattern, block)
+        return found.group(1) if found else "?"
+
+    bind = field(r"VLLM_CPU_OMP_THREADS_BIND=('[^']*')")
+    if bind == "'nobind'":
+        return f"unbound (bind 'nobind'): OpenMP threads float over all {os.cpu_count()} cores"
+    cores = " | ".join(re.findall(r"core ids=(\[[^\]]*\])", block)) or "[]"
+    reserved, num = field(r"reserved_cpus=(\[[^\]]*\])"), field(r"reserve_cpu_num=(\d+)")
+    return f"OMP core ids {cores}, reserved {reserved} (bind {bind}, reserve_cpu_num={num})"
 
 
 def _die_with_parent() -> None:
@@ -99,6 +146,7 @@ class ServerProcess:
         model: Path | str | None = None,
         port: int | None = None,
         log_dir: Path | str | None = None,
+        env: Mapping[str, str] | None = None,
         start_timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
         progress_every_s: float = 10.0,
@@ -115,6 +163,8 @@ class ServerProcess:
                 (built if missing), served as ``SmolLM2-135M-Instruct``.
             port: TCP port; ``None``: a free one.
             log_dir: folder of ``server.log``; ``None``: a new temp folder.
+            env: environment variables for the child that beat ``os.environ``, e.g.
+                :func:`equal_cores_env` for a comparison.
             start_timeout_s: how long :meth:`start` waits for ``/health``.
             stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
             progress_every_s: seconds between "still loading" lines while starting.
@@ -125,6 +175,7 @@ class ServerProcess:
         self.model = Path(model) if model is not None else None
         self.port = port or free_port()
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="lgkv-log-")) / "server.log"
+        self.env = dict(env or {})
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.progress_every_s = progress_every_s
@@ -168,7 +219,7 @@ class ServerProcess:
         if self.running:
             return self
         cmd = self.command()
-        env = {**SERVER_ENV, **os.environ}
+        env = {**SERVER_ENV, **os.environ, **self.env}
         self.progress(f"starting: python {' '.join(cmd[1:])}")
         self.progress(f"log: {self.log_path}")
         atexit.register(self.stop)  # a kernel or script that dies mid-way still stops it
@@ -237,6 +288,10 @@ class ServerProcess:
         """Stop, then start again on the same port and cache dir."""
         self.stop()
         return self.start()
+
+    def omp_cores(self) -> str:
+        """The cores its engine bound OpenMP threads to, from its log (:func:`omp_cores`)."""
+        return omp_cores(self.log_path)
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the server log."""

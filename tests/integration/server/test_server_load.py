@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-from load import HEADER, differing, run_load, summary
+from load import CONCURRENT_HEADER, HEADER, concurrent_summary, differing, run_load, summary
 
 if TYPE_CHECKING:
     from tests.integration.conftest import ServerFactory, ServerProcess
@@ -29,6 +29,9 @@ def test_concurrent_conversations_with_session_churn_answer_as_cache_off(
     print("\n" + HEADER)
     print(summary("langgraph-kvcache", ours, reference))
     print(summary("cache off", reference, None))
+    print(CONCURRENT_HEADER)  # the figures of `load.py --mode concurrent` for the same runs
+    print(concurrent_summary("langgraph-kvcache", ours, reference))
+    print(concurrent_summary("cache off", reference, None))
     assert reference.errors == []
     assert ours.errors == [] and ours.server_errors == 0
     assert ours.api_errors == [] and ours.api_calls == 30
@@ -36,3 +39,5 @@ def test_concurrent_conversations_with_session_churn_answer_as_cache_off(
     assert len(ours.answers) == len(reference.answers) == 24
     assert differing(ours, reference) == []
     assert ours.cached_tokens > 0  # later turns loaded their history
+    same = concurrent_summary("langgraph-kvcache", ours, reference).split("|")[-2].strip()
+    assert same == "24/24"
