@@ -184,6 +184,32 @@ class ServerConfig:
     Budgets count the stored bytes, so a smaller format keeps more sessions; measured cost and
     quality in docs/operations.md."""
 
+    kv_redis_ttl: float = setting(
+        3600.0, flag="--kv-redis-ttl", env="LGKV_KV_REDIS_TTL", parse=parse_seconds,
+        connector="redis_ttl_s", help="seconds a block stays in Redis after its last use",
+    )  # fmt: skip
+    """Seconds a block stays in the Redis tier after its last write or read."""
+
+    kv_stats_flush: float = setting(
+        1.0, flag="--kv-stats-flush", env="LGKV_KV_STATS_FLUSH", parse=parse_seconds,
+        connector="stats_flush_s", help="seconds between publishes of KV counters and tiers",
+    )  # fmt: skip
+    """Seconds between two publishes of the engine's KV counters and block locations to the
+    registry (``/metrics``, the sessions' tier counts)."""
+
+    kv_default_gap: float = setting(
+        60.0, flag="--kv-default-gap", env="LGKV_KV_DEFAULT_GAP", parse=parse_seconds,
+        connector="default_gap_s", help="assumed turn gap of a new session, for eviction",
+    )  # fmt: skip
+    """Turn gap in seconds assumed for a session with fewer than two turns, for eviction."""
+
+    kv_min_gap: float = setting(
+        30.0, flag="--kv-min-gap", env="LGKV_KV_MIN_GAP", parse=parse_seconds,
+        connector="min_gap_s", help="shortest turn gap eviction counts",
+    )  # fmt: skip
+    """Turn gaps shorter than this many seconds count as this long for eviction (tool calls
+    and reading time make shorter gaps noise)."""
+
     cache_dir: Path = setting(  # noqa: RUF009 (a field declaration)
         default_factory=_default_cache_dir, flag="--cache-dir", env="LGKV_CACHE_DIR",
         parse=parse_path, help="session registry + blocks folder",
@@ -229,6 +255,10 @@ class ServerConfig:
                 f"--kv-offload-dtype/LGKV_KV_OFFLOAD_DTYPE must be one of "
                 f"{', '.join(KV_OFFLOAD_DTYPES)}; got {self.kv_offload_dtype!r}"
             )
+        for name in ("kv_redis_ttl", "kv_stats_flush", "kv_default_gap", "kv_min_gap"):
+            value = getattr(self, name)  # parse_seconds reads 0 as None
+            if value is None or value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds > 0")
         if self.kv_session_ttl is not None:
             try:
                 check_ttl(self.kv_session_ttl, field="--kv-session-ttl/LGKV_KV_SESSION_TTL")

@@ -39,11 +39,21 @@ class ConnectorSettings:
     disk_bytes: int
     """Byte budget of the disk tier; 0 disables the disk tier."""
 
+    redis_ttl_s: float
+    """Seconds a block stays in Redis after its last write or read."""
+
+    stats_flush_s: float
+    """Minimum seconds between two flushes of the engine's counters to the registry."""
+
+    default_gap_s: float
+    """Assumed turn gap (seconds) of a session with fewer than two turns, for eviction."""
+
+    min_gap_s: float
+    """Turn gaps shorter than this count as this long for eviction (tool calls and reading
+    time make shorter gaps noise)."""
+
     redis_url: str | None = None
     """Optional Redis URL of a shared tier (every saved block also goes there, with a TTL)."""
-
-    redis_ttl_s: float = 3600.0
-    """Seconds a block stays in Redis after its last write or read."""
 
     default_ttl_s: float | None = None
     """TTL given to sessions created implicitly by a request (None: no expiry)."""
@@ -54,16 +64,6 @@ class ConnectorSettings:
     offload_dtype: str = "auto"
     """Stored format of blocks in every tier (:data:`server.kv.formats.OFFLOAD_DTYPES`);
     ``auto`` keeps the engine's dtype. Recorded in the manifest; budgets count stored bytes."""
-
-    stats_flush_s: float = 1.0
-    """Minimum seconds between two flushes of the engine's counters to the registry."""
-
-    default_gap_s: float = 60.0
-    """Assumed turn gap (seconds) of a session with fewer than two turns, for eviction."""
-
-    min_gap_s: float = 30.0
-    """Turn gaps shorter than this count as this long for eviction (tool calls and reading
-    time make shorter gaps noise)."""
 
     @property
     def registry_path(self) -> Path:
@@ -111,10 +111,10 @@ class ConnectorSettings:
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
             offload_dtype=offload_dtype,
-            redis_ttl_s=_positive_float(extra, "redis_ttl_s", 3600.0),
-            stats_flush_s=_positive_float(extra, "stats_flush_s", 1.0),
-            default_gap_s=_positive_float(extra, "default_gap_s", 60.0),
-            min_gap_s=_positive_float(extra, "min_gap_s", 30.0),
+            redis_ttl_s=_positive_float(extra, "redis_ttl_s"),
+            stats_flush_s=_positive_float(extra, "stats_flush_s"),
+            default_gap_s=_positive_float(extra, "default_gap_s"),
+            min_gap_s=_positive_float(extra, "min_gap_s"),
         )
 
 
@@ -125,8 +125,8 @@ def _non_negative_int(extra: dict[str, Any], key: str) -> int:
     return value
 
 
-def _positive_float(extra: dict[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
+def _positive_float(extra: dict[str, Any], key: str) -> float:
+    value = extra.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise SettingsError(f"kv_connector_extra_config[{key!r}] must be a number > 0")
     return float(value)

@@ -146,6 +146,10 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "default_ttl_s": 60.0,
         "model_id": str(tiny_model_dir),
         "offload_dtype": "auto",
+        "redis_ttl_s": 3600.0,
+        "stats_flush_s": 1.0,
+        "default_gap_s": 60.0,
+        "min_gap_s": 30.0,
     }
     json.dumps(ktc.kv_connector_extra_config)  # plain JSON, travels to the engine process
 
