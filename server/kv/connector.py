@@ -2,7 +2,7 @@
 
 Load it with ``KVTransferConfig(kv_connector="SessionKVConnector",
 kv_connector_module_path="server.kv.connector", kv_role="kv_both",
-kv_connector_extra_config={...})`` (keys: contracts.md section 2). vLLM builds one instance
+kv_connector_extra_config={...})`` (keys: docs/configuration.md). vLLM builds one instance
 per role: the SCHEDULER one holds :class:`SessionKVScheduler` (index, policy, registry), each
 WORKER one holds :class:`SessionKVWorker` (RAM pool, disk I/O thread). This module only
 translates vLLM's objects into the plain ones those classes take.

@@ -10,11 +10,11 @@ requests and reads state.
 
 1. The registry (SQLite, WAL) records requests. ``delete`` removes the session's rows and, in
    the same transaction, appends the keys of blocks no other session references to the
-   ``drops`` table; the engine's scheduler reads new drops before any lookup (and every step),
-   so it never serves a dropped block, frees their RAM slots and has the worker remove their
-   files. ``copy``, pins and TTLs are rows the engine re-reads (``PRAGMA data_version`` tells it
-   when something changed). Expired sessions are hidden from every read here; the engine
-   purges them (every few seconds, and at each sync).
+   ``drops`` table; the engine's registry thread reads new drops (and, from the ``changes``
+   table, every session written: ``copy``, pins, TTLs) within about 50 ms, and its scheduler
+   applies them at its next step: it stops serving the dropped blocks, frees their RAM slots
+   and has the worker remove their files. Expired sessions are hidden from every read here;
+   the engine purges them (every few seconds, and at each sync).
 2. The engine's own request queue for work that must run in the engine now. ``prefetch``
    submits a one-token request carrying ``extra_args={XARG_OP: PREFETCH_OP, ...}`` through
    ``engine_client.generate``; this wakes an idle engine, the connector sees the op in
@@ -23,10 +23,20 @@ requests and reads state.
    request the same way after a delete: it finishes once the engine has applied the drops and
    removed the files, so a ``DELETE`` answers when the blocks are gone. ``collective_rpc`` was
    not used: it reaches workers only, not the scheduler that owns the index and the RAM slots.
+
+The engine writes its own records (finished turns, block locations, counters) on a background
+thread, moments after a request finished and never on vLLM's scheduler thread. So that a read
+or change of sessions here sees every turn that finished before it (and a delete is never
+followed by a late record of an earlier turn), the methods that read or change sessions first
+run the same ``SYNC_OP`` (:meth:`SessionControl.catch_up`); the registry thread answers it
+only after the records queued before it are committed. :meth:`SessionControl.metrics` reads
+without it (counters are published every ``--kv-stats-flush`` seconds).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -52,6 +62,10 @@ from server.kv.registry import Registry, SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
 
 log = logging.getLogger(__name__)
+
+CATCH_UP_TIMEOUT_S = 60.0
+"""Longest wait for the engine in :meth:`SessionControl.catch_up` (then the read goes ahead,
+with a warning)."""
 
 _COUNTERS = (
     'lgkv_hit_blocks_total{tier="ram"}',
@@ -109,6 +123,11 @@ class SessionControl:
         self.default_ttl_s = default_ttl_s
         self.engine_client = engine_client
         self.registry = Registry(self.cache_dir / REGISTRY_FILE)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the engine client runs on (built inside it, as the app does)."""
+        if engine_client is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop = asyncio.get_running_loop()
 
     # ----------------------------------------------------------------- queries
 
@@ -116,12 +135,14 @@ class SessionControl:
         """A tenant's live sessions, most recently used first."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
+        self.catch_up()
         rows = self.registry.list_sessions(tenant, limit, offset)
         return [self._info(r) for r in rows if _readable(r) and not _expired(r)]
 
     def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
         check_session_id(session_id)
+        self.catch_up()
         return self._info(self._row(session_id, tenant))
 
     # --------------------------------------------------------------- mutations
@@ -138,9 +159,10 @@ class SessionControl:
         check_session_id(session_id)
         check_ttl(ttl_seconds)
         ttl = ttl_seconds if ttl_seconds is not None else self.default_ttl_s
+        self.catch_up()
         if not self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned):
             raise SessionExists(f"session {session_id!r} already exists")
-        return self.get(session_id, tenant)
+        return self._info(self._row(session_id, tenant))
 
     def update(
         self,
@@ -154,11 +176,12 @@ class SessionControl:
         check_session_id(session_id)
         set_ttl = not isinstance(ttl_seconds, Unset)
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
+        self.catch_up()
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned
         ):
             raise SessionNotFound(f"session {session_id!r} not found")
-        return self.get(session_id, tenant)
+        return self._info(self._row(session_id, tenant))
 
     def delete(self, session_id: str, tenant: str) -> int:
         """Delete a session and free its blocks no other session uses; return how many.
@@ -167,6 +190,7 @@ class SessionControl:
         next step, or at once through :meth:`settle` (see the module docstring).
         """
         check_session_id(session_id)
+        self.catch_up()
         orphans = self.registry.delete_session(tenant, session_id)
         if orphans is None:
             raise SessionNotFound(f"session {session_id!r} not found")
@@ -185,6 +209,7 @@ class SessionControl:
         check_session_id(target_id)
         if source_id == target_id:
             raise SessionExists(f"session {target_id!r} is the source itself")
+        self.catch_up()
         result = self.registry.copy_session(tenant, source_id, target_id, overwrite=overwrite)
         if result == "no_source":
             raise SessionNotFound(f"session {source_id!r} not found")
@@ -192,12 +217,16 @@ class SessionControl:
             raise SessionExists(
                 f"session {target_id!r} already exists; pass overwrite=true to replace it"
             )
-        return self.get(target_id, tenant)
+        return self._info(self._row(target_id, tenant))
 
     async def prefetch(self, session_id: str, tenant: str) -> dict[str, int]:
         """Move the session's blocks disk -> RAM in the engine now; return block counts."""
         check_session_id(session_id)
-        row = self._row(session_id, tenant)
+        try:
+            row = self._row(session_id, tenant)
+        except SessionNotFound:  # its first turn may be finishing right now
+            await self.settle()
+            row = self._row(session_id, tenant)
         self.registry.mark_managed(tenant, session_id)
         if row.num_blocks:
             await self._engine_op(PREFETCH_OP, {XARG_SESSION: session_id, XARG_TENANT: tenant})
@@ -216,6 +245,28 @@ class SessionControl:
         """Close the registry connection."""
         with contextlib.suppress(Exception):
             self.registry.close()
+
+    def catch_up(self) -> None:
+        """Block until the engine committed every turn that finished before this call and
+        applied every change recorded so far (a ``SYNC_OP``; see the module docstring). Runs
+        in the caller's thread (the routes call from a worker thread); does nothing without an
+        engine client or when called on the engine's event loop itself."""
+        loop = self._loop
+        if self.engine_client is None or loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is loop:
+                return  # waiting here would block the loop the op needs
+        future = asyncio.run_coroutine_threadsafe(self.settle(), loop)
+        try:
+            future.result(timeout=CATCH_UP_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            log.warning(
+                "the engine did not confirm its session records within %.0f s; "
+                "answering from the registry as it is",
+                CATCH_UP_TIMEOUT_S,
+            )
 
     # ----------------------------------------------------------------- helpers
 

@@ -44,7 +44,7 @@ class SessionOutlook:
 class EvictionPolicy:
     """Ranks blocks for eviction from the sessions that reference them."""
 
-    def __init__(self, default_gap_s: float = 60.0, min_gap_s: float = 30.0) -> None:
+    def __init__(self, default_gap_s: float, min_gap_s: float) -> None:
         self.default_gap_s = default_gap_s
         self.min_gap_s = min_gap_s
         self._sessions: dict[SessionKey, SessionOutlook] = {}
@@ -69,6 +69,35 @@ class EvictionPolicy:
         self._blocks_of[skey] = list(keys)
         for key in keys:
             self._refs[key].add(skey)
+
+    def forget(self, tenant: str, session_id: str) -> None:
+        """Drop a session that is gone from the registry (deleted or expired)."""
+        skey = (tenant, session_id)
+        for old in self._blocks_of.pop(skey, []):
+            self._refs[old].discard(skey)
+        self._sessions.pop(skey, None)
+
+    def note_turn(self, tenant: str, session_id: str, keys: list[str], now: float) -> None:
+        """A turn of the session just finished (before the registry has recorded it): its
+        block list and last use, with the gap statistics known so far."""
+        skey = (tenant, session_id)
+        for old in self._blocks_of.get(skey, []):
+            self._refs[old].discard(skey)
+        known = self._sessions.get(skey)
+        gap = known.expected_gap_s if known else max(self.default_gap_s, self.min_gap_s)
+        self._sessions[skey] = SessionOutlook(
+            last_used_at=now,
+            expected_gap_s=gap,
+            pinned=known.pinned if known else False,
+            managed=known.managed if known else False,
+        )
+        self._blocks_of[skey] = list(keys)
+        for key in keys:
+            self._refs[key].add(skey)
+
+    def keys_of(self, tenant: str, session_id: str) -> list[str]:
+        """The session's block keys as the policy last learnt them."""
+        return list(self._blocks_of.get((tenant, session_id), []))
 
     def is_managed(self, key: str) -> bool:
         """True if a managed session references the block."""

@@ -9,6 +9,8 @@ Tables:
 - ``drops``: block keys freed by a delete or an expiry, recorded in the same transaction; the
   engine reads new rows, forgets those blocks in every tier and removes their files.
 - ``stats``: the engine's counters (added as deltas) and gauges (set), read by ``metrics()``.
+- ``changes``: (tenant, session id) of every session write, in the write's transaction; the
+  engine's registry thread reads new rows as increments (:meth:`Registry.changes_after`).
 
 Every method opens its own short transaction; a connection is shared by the threads of one
 process behind a lock. Writers use ``BEGIN IMMEDIATE`` and a busy timeout, so two processes
@@ -31,6 +33,7 @@ from server.kv.registry_sql import (
     TierCount,
     delete_rows,
     migrate,
+    record_change,
     record_drops,
     row_from,
 )
@@ -122,6 +125,8 @@ class Registry:
                 "ttl_seconds, managed) VALUES (?, ?, ?, ?, ?, ?, 1)",
                 (tenant, session_id, now, now, int(pinned), ttl_seconds),
             )
+            if cur.rowcount == 1:
+                record_change(db, tenant, session_id)
             return cur.rowcount == 1
 
     def update_session(
@@ -153,6 +158,7 @@ class Registry:
                     "UPDATE sessions SET pinned = ? WHERE tenant = ? AND id = ?",
                     (int(pinned), tenant, session_id),
                 )
+            record_change(db, tenant, session_id)
             return True
 
     def record_turn(
@@ -198,6 +204,7 @@ class Registry:
                 "INSERT INTO session_blocks (tenant, session_id, idx, key) VALUES (?, ?, ?, ?)",
                 [(tenant, session_id, i, k) for i, k in enumerate(keys)],
             )
+            record_change(db, tenant, session_id)
 
     def mark_managed(self, tenant: str, session_id: str) -> None:
         """Note that a client manages the session (e.g. asked to prefetch it on resume)."""
@@ -205,6 +212,7 @@ class Registry:
             db.execute(
                 "UPDATE sessions SET managed = 1 WHERE tenant = ? AND id = ?", (tenant, session_id)
             )
+            record_change(db, tenant, session_id)
 
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys in prefix order."""
@@ -253,6 +261,7 @@ class Registry:
                 "key FROM session_blocks WHERE tenant = ? AND session_id = ?",
                 (target, tenant, source),
             )
+            record_change(db, tenant, target)
             return "ok"
 
     def purge_expired(self, now: float | None = None) -> list[str]:
@@ -269,16 +278,49 @@ class Registry:
                 orphans.extend(delete_rows(db, tenant, sid) or [])
             record_drops(db, sorted(set(orphans)))
             # Bounded history of drops: engines read them within seconds of their writing.
-            db.execute(
-                "DELETE FROM drops WHERE seq <= (SELECT max(seq) FROM drops) - ?", (DROPS_KEPT,)
-            )
+            for table in ("drops", "changes"):
+                db.execute(
+                    f"DELETE FROM {table} WHERE seq <= (SELECT max(seq) FROM {table}) - ?",
+                    (DROPS_KEPT,),
+                )
             return sorted(set(orphans))
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
         """All sessions and all (tenant, session id, key) references, for the eviction policy."""
         sessions = [row_from((*r, 0)) for r in self._read(f"SELECT {SESSION_COLS} FROM sessions")]
-        refs = self._read("SELECT tenant, session_id, key FROM session_blocks")
+        refs = self._read(
+            "SELECT tenant, session_id, key FROM session_blocks ORDER BY tenant, session_id, idx"
+        )
         return sessions, [(t, s, k) for t, s, k in refs]
+
+    def change_seq(self) -> int:
+        """The newest ``changes`` sequence number (0 when none)."""
+        return int(self._read("SELECT coalesce(max(seq), 0) FROM changes")[0][0])
+
+    def changes_after(self, seq: int) -> tuple[int, list[tuple[str, str]] | None]:
+        """Sessions written after ``seq``: (the newest seq, distinct (tenant, id) in order of
+        their last change). None instead of the list when rows after ``seq`` were trimmed
+        already (the caller reloads :meth:`policy_snapshot`)."""
+        with self._lock:
+            oldest = self._db.execute("SELECT min(seq) FROM changes").fetchone()[0]
+            rows = self._db.execute(
+                "SELECT seq, tenant, session_id FROM changes WHERE seq > ? ORDER BY seq", (seq,)
+            ).fetchall()
+        if not rows:
+            return seq, []
+        if oldest is not None and oldest > seq + 1:
+            return rows[-1][0], None
+        latest = {(t, s): q for q, t, s in rows}
+        return rows[-1][0], sorted(latest, key=latest.__getitem__)
+
+    def session_state(self, tenant: str, session_id: str) -> tuple[SessionRow | None, list[str]]:
+        """A session's row and block keys, read together (None, []: it is gone)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                return self.get_session(tenant, session_id), self.session_keys(tenant, session_id)
+            finally:
+                self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------- blocks
 

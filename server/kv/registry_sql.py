@@ -34,10 +34,14 @@ CREATE TABLE IF NOT EXISTS blocks (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS drops (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS stats (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, session_id TEXT NOT NULL
+);
 """
 
 DROPS_KEPT = 100_000
-"""How many newest ``drops`` rows are kept (older ones are deleted at TTL purges)."""
+"""How many newest ``drops`` and ``changes`` rows are kept (older ones go at TTL purges; an
+engine that fell further behind reloads the whole snapshot)."""
 
 SESSION_COLS = (
     "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
@@ -78,7 +82,6 @@ class TierCount:
     bytes: int
 
 
-
 def migrate(db: sqlite3.Connection) -> None:
     """Create the tables, and add the columns older registry files lack."""
     for stmt in SCHEMA.strip().split(";"):
@@ -98,6 +101,13 @@ def record_drops(db: sqlite3.Connection, keys: Iterable[str]) -> None:
     if rows:
         db.executemany("INSERT INTO drops (key) VALUES (?)", rows)
         db.executemany("DELETE FROM blocks WHERE key = ?", rows)
+
+
+def record_change(db: sqlite3.Connection, tenant: str, session_id: str) -> None:
+    """Note that a session's row or block list changed (created, updated, deleted), in the
+    writer's transaction; the engine reads these rows as increments of its policy state."""
+    db.execute("INSERT INTO changes (tenant, session_id) VALUES (?, ?)", (tenant, session_id))
+
 
 def row_from(r: tuple) -> SessionRow:
     """A ``sessions`` row (``SESSION_COLS`` plus the block count) as a :class:`SessionRow`."""
@@ -135,6 +145,7 @@ def delete_rows(db: sqlite3.Connection, tenant: str, session_id: str) -> list[st
         "DELETE FROM session_blocks WHERE tenant = ? AND session_id = ?", (tenant, session_id)
     )
     db.execute("DELETE FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id))
+    record_change(db, tenant, session_id)
     return [
         k
         for k in keys

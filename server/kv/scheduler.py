@@ -13,12 +13,16 @@ Verbs, per request:
   allocated, locking the RAM slots read.
 - ``build_plan`` (each step): saves of every block a scheduled request completes this step,
   with RAM slots and disk space reserved (evicting by :class:`EvictionPolicy`).
-- ``request_finished``: records the session's turn in the registry (block list, tokens, gap).
+- ``request_finished``: queues the session's turn for the registry (block list, tokens, gap).
+
+None of these waits on anything: every registry read and write runs on the registry thread
+(:class:`RegistrySync`; its events are applied once a step, at the step's first call), every
+Redis existence check on the Redis thread (:class:`RedisLookups`; a lookup waiting for one
+answers vLLM None, "not yet"), and control requests are held by :class:`ControlOps`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,18 +36,21 @@ from langgraph_kvcache.contract import (
     XARG_SESSION,
     XARG_TENANT,
 )
+from server.kv.control_ops import ControlOps
 from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.policy import EvictionPolicy
+from server.kv.publisher import Publisher
+from server.kv.redis_lookups import RedisLookups
 from server.kv.registry import Registry
+from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
 _NO_STATE = BlockState("")
-_PURGE_EVERY_S = 10.0
 _IDLE_POLL_S = 0.002
 
 
@@ -77,21 +84,26 @@ class SessionKVScheduler:
         block_bytes: int,
         file_bytes: int,
         disk_files: dict[str, int],
-        registry: Registry | None = None,
+        sync: RegistrySync | None = None,
         redis: RedisStore | None = None,
         compression_ratio: float = 1.0,
     ) -> None:
         self.settings = settings
-        self.compression_ratio = compression_ratio
-        """Engine bytes over stored bytes of a block (``--kv-offload-dtype``), a gauge."""
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
-        # The engine never waits long on the API process: a busy registry is skipped (logged).
-        self.registry = registry or Registry(settings.registry_path, busy_timeout_s=2.0)
+        self.sync = sync or RegistrySync(settings.registry_path)
+        """Every registry read and write of the engine, on its own thread."""
         self.redis = redis
-        self._redis_until: dict[str, float] = {}
-        """Blocks this engine put in Redis and when their TTL ends (for tier counts)."""
+        self.redis_lookups = RedisLookups(redis) if redis is not None else None
+        self.publisher = Publisher(
+            self.sync,
+            block_bytes=block_bytes,
+            stats_flush_s=settings.stats_flush_s,
+            redis_ttl_s=settings.redis_ttl_s,
+            offload_dtype=settings.offload_dtype,
+            compression_ratio=compression_ratio,
+        )
         self.policy = EvictionPolicy(settings.default_gap_s, settings.min_gap_s)
         num_slots = settings.ram_bytes // block_bytes if block_bytes else 0
         self.index = BlockIndex(
@@ -102,18 +114,15 @@ class SessionKVScheduler:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, _Lookup] = {}
-        self._held: dict[str, set[str]] = {}
-        """Control requests (prefetch, sync) held until these keys' reads or removals finish."""
         self._removing: set[str] = set()
         """Keys whose file removal was planned and not yet confirmed by the worker."""
         self._plan = StepPlan()
-        self._counters: dict[str, float] = {}
-        self._last_flush = 0.0
-        self._last_purge = 0.0
-        self._data_version = -1
-        self._drop_seq = self.registry.last_drop_seq()
-        self._load_snapshot()
-        self.registry.reset_block_tiers()
+        self._ops = ControlOps(
+            self.index, self.policy, self.sync, lambda: self.flush(force=True), self._removing
+        )
+        self._step_open = False
+        """The registry's events were applied in this step already."""
+        self.sync.write("block tier reset", lambda reg: reg.reset_block_tiers())
         for key, size in sorted(disk_files.items()):
             if size != file_bytes or not self.index.add_disk_file(key):
                 self.index.removes.append(key)  # wrong size or over budget
@@ -124,13 +133,12 @@ class SessionKVScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async."""
-        self._sync_registry()
+        """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async; None
+        ("not yet") while a Redis check or a control request's work is outstanding."""
+        self._begin_step()
         tracked = self._track(request)
-        if tracked.op == PREFETCH_OP:
-            return self._prefetch_step(request.request_id, tracked)
-        if tracked.op == SYNC_OP:
-            return self._sync_step(request.request_id)
+        if tracked.op in (PREFETCH_OP, SYNC_OP):
+            return self._ops.step(request.request_id, tracked.op, tracked.session, self._plan)
         hashes = request.block_hashes
         start = num_computed_tokens // self.block_size
         end = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -143,9 +151,12 @@ class SessionKVScheduler:
                 break
             keys.append(key)
             tiers.append(tier)
-        if self.redis is not None and start + len(keys) < end:
+        if self.redis_lookups is not None and start + len(keys) < end:
             rest = [block_key(h) for h in hashes[start + len(keys) : end]]
-            for key, found in zip(rest, self.redis.exists_many(rest), strict=True):
+            answer = self.redis_lookups.exists(request.request_id, rest)
+            if answer is None:
+                return None, False
+            for key, found in zip(rest, answer, strict=True):
                 if not found:
                     break
                 keys.append(key)
@@ -164,7 +175,7 @@ class SessionKVScheduler:
         if lookup is None:
             return
         count = num_external_tokens // self.block_size
-        self._count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
+        self.publisher.count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
         if count == 0:
             return
         keys, tiers = lookup.keys[:count], lookup.tiers[:count]
@@ -177,12 +188,12 @@ class SessionKVScheduler:
         items: list[LoadItem] = []
         for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
             block_id = block_ids[lookup.start + offset]
-            self._count(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 1)
+            self.publisher.count(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 1)
             self.index.touch(key)
             if tier == "ram":
-                state = self.index.blocks[key]
-                state.locks += 1
-                items.append(LoadItem(block_id, key, state.slot, "ram"))
+                ram = self.index.blocks[key]
+                ram.locks += 1
+                items.append(LoadItem(block_id, key, ram.slot, "ram"))
                 continue
             slot = NO_SLOT
             state = self.index.blocks.get(key)
@@ -207,7 +218,8 @@ class SessionKVScheduler:
     ) -> StepPlan:
         """The step's plan. ``scheduled``: (req id, new block ids or None, replaces the old
         list, computed tokens before this step) for every request scheduled this step."""
-        self._sync_registry()
+        self._begin_step()
+        self._step_open = False  # the next call belongs to the next step
         wanted: list[tuple[int, str]] = []
         for req_id, new_ids, replace, num_computed in scheduled:
             tracked = self._tracked.get(req_id)
@@ -257,13 +269,13 @@ class SessionKVScheduler:
         owners = self.index.slot_owners() if report.released_slots else {}
         for key in report.saved:
             self.index.saved(key)
-        self._count("lgkv_saved_blocks_total", len(report.saved))
+        self.publisher.count("lgkv_saved_blocks_total", len(report.saved))
         for key in report.read_ok:
             self.index.read_ok(key)
         for key in report.written:
             self.index.written(key)
         for key in report.redis_written:
-            self._redis_until[key] = time.time() + self.settings.redis_ttl_s
+            self.publisher.redis_written(key)
             self.index.dirty.add(key)
         for key in report.write_failed:
             self.index.disk_lost(key)
@@ -272,83 +284,68 @@ class SessionKVScheduler:
         for slot in report.released_slots:
             self.index.release(slot, owners)
         self._removing.difference_update(report.removed)
-        done = set(report.read_ok) | set(report.read_failed) | set(report.removed)
-        for pending in self._held.values():
-            pending -= done
+        self._ops.confirmed(set(report.read_ok) | set(report.read_failed) | set(report.removed))
+        self._ops.advance()
         for name, values in (("load", report.load_seconds), ("save", report.save_seconds)):
-            self._count(f"lgkv_{name}_seconds_sum", sum(values))
-            self._count(f"lgkv_{name}_seconds_count", len(values))
+            self.publisher.count(f"lgkv_{name}_seconds_sum", sum(values))
+            self.publisher.count(f"lgkv_{name}_seconds_count", len(values))
         idle = not self._tracked and not self.has_pending_work()
         self.flush(force=idle)
 
     def has_pending_work(self) -> bool:
         """True while disk writes or removes are unconfirmed (keeps the engine stepping)."""
-        if self.index.removes or self._removing or any(self._held.values()):
+        if self.index.removes or self._removing or self._ops.pending():
             return True
         return any(s.on_disk and not s.disk_confirmed for s in self.index.blocks.values())
 
     # ---------------------------------------------------------------- sessions
 
     def request_finished(self, request: Any) -> None:
-        """Record the session's turn; forget the request."""
+        """Queue the session's turn for the registry; forget the request."""
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        self._held.pop(request.request_id, None)
+        self._ops.forget(request.request_id)
+        if self.redis_lookups is not None:
+            self.redis_lookups.forget(request.request_id)
         if tracked is None or tracked.op is not None or tracked.session is None:
             return
         tenant, sid = tracked.session
         num_blocks = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
         keys = [block_key(h) for h in request.block_hashes[:num_blocks]]
-        try:
-            self.registry.record_turn(
-                tenant,
-                sid,
-                keys,
-                request.num_computed_tokens,
-                default_ttl_s=self.settings.default_ttl_s,
-            )
-            row = self.registry.get_session(tenant, sid)
-            if row is not None:
-                self.policy.record(row, keys)
-            self._data_version = self.registry.data_version()
-        except Exception:  # the registry is bookkeeping: never fail a request for it
-            log.warning("could not record session %r in the registry", sid, exc_info=True)
+        now = time.time()
+        self.policy.note_turn(tenant, sid, keys, now)
+        tokens, ttl = request.num_computed_tokens, self.settings.default_ttl_s
+        self.sync.write(
+            f"turn of session {sid!r}",
+            lambda reg: reg.record_turn(tenant, sid, keys, tokens, default_ttl_s=ttl, now=now),
+        )
         self.flush()
 
     def flush(self, force: bool = False) -> None:
-        """Publish block locations and counters to the registry (throttled unless forced)."""
-        now = time.monotonic()
-        if not force and now - self._last_flush < self.settings.stats_flush_s:
-            return
-        self._last_flush = now
-        wall = time.time()
-        for key in [k for k, until in self._redis_until.items() if until < wall]:
-            del self._redis_until[key]  # expired in Redis by now
-            self.index.dirty.add(key)
-        dirty, self.index.dirty = self.index.dirty, set()
-        updates = {
-            k: (*self.index.location(k), k in self._redis_until, self.block_bytes) for k in dirty
-        }
-        gauges = self.index.gauges(self.block_bytes, redis_blocks=len(self._redis_until))
-        fmt = self.settings.offload_dtype
-        gauges[f'lgkv_kv_compression_ratio{{format="{fmt}"}}'] = self.compression_ratio
-        counters = dict(self._counters)
-        for tier, n in self.index.evicted.items():
-            counters[f'lgkv_evicted_blocks_total{{tier="{tier}"}}'] = float(n)
-        try:
-            self.registry.set_block_tiers(updates)
-            self.registry.add_stats(counters, gauges)
-        except Exception:
-            self.index.dirty |= dirty
-            log.warning("could not publish KV stats to the registry", exc_info=True)
-            return
-        self._counters.clear()
-        self.index.evicted = {"ram": 0, "disk": 0}
+        """Queue block locations and counters for the registry (throttled unless forced)."""
+        self.publisher.flush(self.index, force=force)
 
     def shutdown(self) -> None:
-        """Final flush; close the registry."""
+        """Final flush; let the registry and Redis threads finish their queues."""
         self.flush(force=True)
-        self.registry.close()
+        self.sync.close()
+        if self.redis_lookups is not None:
+            self.redis_lookups.close()
+
+    @property
+    def registry(self) -> Registry:
+        """The registry thread's connection (tests and tools; blocks until it is open)."""
+        return self.sync.registry
+
+    def catch_up(self, *, purge: bool = False, timeout_s: float = 30.0) -> None:
+        """Block until the registry thread wrote everything queued and read every change
+        (after a purge of expired sessions when ``purge``), then apply its events. For tests,
+        tools and shutdown: never called from vLLM's scheduler thread."""
+        self.flush(force=True)
+        token = self.sync.sync() if purge else self.sync.barrier()
+        if not self.sync.wait(token, timeout_s):
+            raise TimeoutError(f"session registry did not catch up in {timeout_s} s")
+        self._apply_events()
 
     # ----------------------------------------------------------------- helpers
 
@@ -363,72 +360,31 @@ class SessionKVScheduler:
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def _prefetch_step(self, req_id: str, tracked: _Tracked) -> tuple[int | None, bool]:
-        if req_id not in self._held:
-            pending: set[str] = set()
-            if tracked.session is not None:
-                try:
-                    keys = self.registry.session_keys(*tracked.session)
-                except Exception:
-                    log.warning("session registry unavailable; prefetch skipped", exc_info=True)
-                    keys = []
-                todo = [
-                    k
-                    for k in keys
-                    if self.index.tier_of(k) == "disk" and self.index.blocks[k].slot == NO_SLOT
-                ]
-                slots = self.index.alloc_slots(len(todo), protect=set(keys))
-                for key, slot in zip(todo, slots, strict=False):
-                    state = self.index.blocks[key]
-                    state.slot, state.ram_ready, state.locks = slot, False, state.locks + 1
-                    self.index.touch(key)
-                    self._plan.reads.append((key, slot))
-                    pending.add(key)
-            self._held[req_id] = pending
-        if self._held[req_id]:
-            return None, False
-        self.flush(force=True)
-        return 0, False
+    def _begin_step(self) -> None:
+        """Apply the registry thread's events once a step, at the step's first call (so a
+        lookup and the allocation that follows it in the same step see one state)."""
+        if not self._step_open:
+            self._step_open = True
+            self._apply_events()
 
-    def _sync_step(self, req_id: str) -> tuple[int | None, bool]:
-        """A ``SYNC_OP`` request: purge expired sessions and apply recorded deletes now, and
-        hold the request until the worker has removed the freed blocks' files."""
-        if req_id not in self._held:
-            self._sync_registry(force=True)
-            self._held[req_id] = set(self.index.removes) | self._removing
-        return (None, False) if self._held[req_id] else (0, False)
-
-    def _sync_registry(self, *, force: bool = False) -> None:
-        """Apply the API process's drops and reload pins/TTLs when the registry changed; purge
-        expired sessions every few seconds (the engine is the one owner of expiry)."""
-        try:
-            now = time.monotonic()
-            if force or now - self._last_purge > _PURGE_EVERY_S:
-                self._last_purge = now
-                self._drop(self.registry.purge_expired())
-            version = self.registry.data_version()
-            if version == self._data_version and not force:
-                return
-            self._drop_seq, dropped = self.registry.drops_after(self._drop_seq)
-            self._drop(dropped)
-            self._load_snapshot()
-            self._data_version = version
-        except Exception:  # bookkeeping must never stop the engine; retried next step
-            log.warning("session registry unavailable; retrying", exc_info=True)
+    def _apply_events(self) -> None:
+        for event in self.sync.drain():
+            if isinstance(event, Snapshot):
+                self.policy.load(event.sessions, event.refs)
+            elif isinstance(event, SessionChange):
+                if event.row is None:
+                    self.policy.forget(event.tenant, event.session_id)
+                else:
+                    self.policy.record(event.row, event.keys)
+            elif isinstance(event, Dropped):
+                self._drop(event.keys)
+            elif isinstance(event, Done):
+                self._ops.answered(event.token)
 
     def _drop(self, keys: list[str]) -> None:
         """Forget blocks in every tier (their sessions were deleted or expired)."""
         for key in keys:
             self.index.drop(key, remove_file=True)
-            self._redis_until.pop(key, None)
-        if self.redis is not None and keys:
-            with contextlib.suppress(OSError):  # else they expire with their TTL
-                self.redis.remove_many(keys)
-
-    def _load_snapshot(self) -> None:
-        sessions, refs = self.registry.policy_snapshot()
-        self.policy.load(sessions, refs)
-
-    def _count(self, name: str, value: float) -> None:
-        if value:
-            self._counters[name] = self._counters.get(name, 0.0) + value
+            self.publisher.redis_until.pop(key, None)
+        if self.redis_lookups is not None:
+            self.redis_lookups.remove(keys)  # else they expire with their TTL

@@ -5,7 +5,10 @@ kv_connector_extra_config>, "async": bool, "turns": [...]}``; a turn is
 ``{"prompt": [ids] | "messages": [...], "session": str|null, "cache": bool, "reset": bool,
 "max_tokens": int, "keep_text": bool}`` or ``{"prefetch": session}`` (async only: calls
 ``SessionControl.prefetch`` with the AsyncLLM as engine client). In ``messages``, an assistant
-message with content ``"$PREV"`` takes the text of the last kept answer.
+message with content ``"$PREV"`` takes the text of the last kept answer. Sync only:
+``{"signal": path}`` creates the file (the turns before it are done), ``{"await": path}``
+waits until the file exists (at most 300 s), ``{"settle": true}`` runs a ``SYNC_OP``
+request (the engine's registry records are committed when it returns).
 
 Used for engine restarts, the SmolLM2 check and the AsyncLLM prefetch path (vLLM keeps one KV
 connector per process, so each engine gets its own process).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -71,11 +75,24 @@ class Runner:
 
 
 def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from kv_engine import make_llm
+    from kv_engine import make_llm, settle
 
     llm = make_llm(spec["engine"])
     runner = Runner(llm.get_tokenizer())
     for turn in spec["turns"]:
+        if "signal" in turn:
+            tmp = Path(turn["signal"] + ".tmp")
+            tmp.write_text(json.dumps(runner.results))
+            tmp.replace(turn["signal"])
+            continue
+        if "await" in turn:
+            deadline = time.monotonic() + 300
+            while not Path(turn["await"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            continue
+        if "settle" in turn:
+            settle(llm)
+            continue
         prompt = runner.prompt(turn)
         if turn.get("reset"):
             llm.reset_prefix_cache()

@@ -58,6 +58,18 @@ def transfer_config(extra: dict[str, Any]) -> Any:
     )
 
 
+def settle(llm: Any) -> None:
+    """Wait for the engine's registry thread through the engine itself: a ``SYNC_OP`` request
+    (what ``SessionControl.settle`` sends) finishes once the turns and stats queued before it
+    are in the registry and the API process's changes (pins, drops) are applied."""
+    from vllm import SamplingParams
+
+    from langgraph_kvcache.contract import SYNC_OP, XARG_OP
+
+    params = SamplingParams(max_tokens=1, extra_args={XARG_OP: SYNC_OP})
+    llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+
+
 def make_llm(kwargs: dict[str, Any]) -> Any:
     """An offline ``vllm.LLM`` with the connector."""
     from vllm import LLM

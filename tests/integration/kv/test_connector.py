@@ -2,7 +2,9 @@
 budgets, pins, isolation, delete and prefetch. Greedy outputs must equal a cache-off run.
 
 Tests run in file order and share one engine and cache folder (conftest.py); each states the
-tier state it starts from. Sessions use random token prompts, so no two share a block.
+tier state it starts from. Sessions use random token prompts, so no two share a block. The
+engine records turns and stats on its registry thread, so a turn ends with ``settle(llm)``
+before the test reads the registry, and so do pins set through a ``SessionControl``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs, run_engine_script
+from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs, run_engine_script, settle
 
 from server.kv.control import SessionControl
 from server.kv.registry import Registry
@@ -59,6 +61,7 @@ def turn(
         extra_args={"session_id": session, "tenant": TENANT} if session else None,
     )
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    settle(llm)
     comp = out.outputs[0]
     lps = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
     return Turn(list(comp.token_ids), lps, out.num_cached_tokens)
@@ -152,6 +155,7 @@ def test_budgets_hold_and_pinned_session_survives(
 ) -> None:
     control = SessionControl(kv_cache_dir)
     control.update("A", TENANT, pinned=True)
+    settle(llm)  # the engine knows the pin
     for i in range(4):  # 32 new blocks: more than RAM (8) and disk (24) together
         turn(llm, tokens(10 + i, RAM_BLOCKS * BLOCK + 10), f"D{i}")
         stats = registry.stats()
@@ -208,6 +212,7 @@ def test_prefetch_moves_session_to_ram(llm: Any, registry: Registry, kv_cache_di
 
     control = SessionControl(kv_cache_dir)
     control.update("E", TENANT, pinned=True)  # keeps E on disk whatever the policy thinks
+    settle(llm)
     turn(llm, tokens(30, RAM_BLOCKS * BLOCK + 10), "G")  # E out of RAM
     usage = registry.tier_usage(TENANT, "E")
     assert (usage["ram"].blocks, usage["disk"].blocks) == (0, 2)

@@ -3,6 +3,7 @@ and a second scheduler (another replica) finding blocks the first one stored."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,11 +103,18 @@ def test_second_replica_hits_from_redis(manifest: Manifest, tmp_path: Path) -> N
     first.on_report(
         WorkerReport(saved=[s.key for s in plan.saves], redis_written=[s.key for s in plan.saves])
     )
+    first.catch_up()
     assert first.registry.stats()['lgkv_tier_blocks{tier="redis"}'] == 3
 
     second = replica("b")
     req2 = Req("r2", p, "s")
-    assert second.get_num_new_matched_tokens(req2, 0) == (3 * BS, True)
+    # Redis is asked on the Redis thread: "not yet" until its answer is in, then the hit.
+    assert second.get_num_new_matched_tokens(req2, 0) == (None, False)
+    deadline = time.monotonic() + 10
+    while (got := second.get_num_new_matched_tokens(req2, 0))[0] is None:
+        assert time.monotonic() < deadline, "the Redis check never answered"
+        time.sleep(0.01)
+    assert got == (3 * BS, True)
     second.update_state_after_alloc(req2, [7, 8, 9, 10], 3 * BS)
     (job,) = second.build_plan([], {}).loads
     assert [i.source for i in job.items] == ["redis"] * 3

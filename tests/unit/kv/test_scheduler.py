@@ -1,6 +1,8 @@
 """The scheduler side without vLLM: lookups, plans, worker reports, budgets, eviction order.
 
 ``Req`` carries exactly the fields of ``vllm.v1.request.Request`` the scheduler side reads.
+The registry is read and written by the scheduler's registry thread; ``sched.catch_up()``
+waits for it where a test reads the registry or a change from the API process must be seen.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def run(sched: SessionKVScheduler, req: Req, *, worker_ok: bool = True) -> StepP
     report(sched, plan, worker_ok)
     req.num_computed_tokens = req.num_tokens
     sched.request_finished(req)
+    sched.catch_up()  # the turn and the stats are in the registry
     return plan
 
 
@@ -132,7 +135,7 @@ def test_save_then_hit_from_ram_is_synchronous(tmp_path: Path) -> None:
         (6, "ram"),
         (7, "ram"),
     ]
-    sched.flush(force=True)
+    sched.catch_up()
     assert sched.registry.stats()['lgkv_hit_blocks_total{tier="ram"}'] == 2
     check_slots(sched.index)
     row = sched.registry.get_session("t", "s")
@@ -186,6 +189,7 @@ def test_budgets_hold_and_pins_survive(tmp_path: Path) -> None:
     api = Registry(tmp_path / "sessions.sqlite3")  # pins come from the API process
     api.update_session("t", "P", set_ttl=False, ttl_seconds=None, pinned=True)
     api.close()
+    sched.catch_up()  # the registry thread read the pin
     for i in range(8):
         run(sched, Req(f"r{i}", prompt(100 + i, 3), f"S{i}"))
         check_slots(sched.index)
@@ -206,6 +210,7 @@ def test_drop_from_api_process_forgets_blocks(tmp_path: Path) -> None:
     orphans = api.delete_session("t", "A")
     assert orphans is not None and len(orphans) == 2
     api.add_drops(orphans)
+    sched.catch_up()  # the registry thread read the drops
     assert sched.get_num_new_matched_tokens(Req("a2", p), 0) == (0, False)
     assert sched.index.ram_blocks() == 0
     api.close()
@@ -222,6 +227,7 @@ def test_prefetch_waits_for_reads(tmp_path: Path) -> None:
     assert len(plan.reads) == 2
     assert sched.get_num_new_matched_tokens(op, 0) == (None, False)  # reads not done yet
     report(sched, plan)
+    sched.catch_up()  # the new RAM locations are published
     assert sched.get_num_new_matched_tokens(op, 0) == (0, False)
     sched.request_finished(op)
     assert sched.registry.tier_usage("t", "A")["ram"].blocks == 2
@@ -315,7 +321,7 @@ def test_expired_sessions_leave_every_tier(tmp_path: Path) -> None:
     keys = [block_key(h) for h in Req("x", p).block_hashes]
     assert [sched.index.tier_of(k) for k in keys] == ["ram", "ram"]
     time.sleep(0.1)
-    sched._last_purge = 0.0  # the engine purges every few seconds; do it now
+    sched.catch_up(purge=True)  # the engine purges every few seconds; do it now
     assert sched.get_num_new_matched_tokens(Req("a2", p), 0) == (0, False)
     assert sched.registry.get_session("t", "A") is None
     assert sorted(sched.build_plan([], {}).removes) == sorted(keys)
