@@ -202,6 +202,14 @@ def lgkv_server(start_server: ServerFactory) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def plain_server(start_server: ServerFactory) -> ServerProcess:
+    """A cache-off server (``--no-kv-offload --no-enable-prefix-caching``: every prompt
+    recomputed), shared by the tests that compare answers with plain recompute or check what
+    the session API says without the connector."""
+    return start_server("--no-kv-offload", "--no-enable-prefix-caching")
+
+
+@pytest.fixture(scope="session")
 def server_url(lgkv_server: ServerProcess) -> str:
     """Base URL of the shared server, e.g. ``http://127.0.0.1:43123``."""
     return lgkv_server.base_url

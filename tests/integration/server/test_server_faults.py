@@ -2,7 +2,7 @@
 
 The short version of ``benchmarks/faults.py`` (whose scenario functions these tests call):
 engine log lines in vLLM's format, SIGTERM right after an answer keeps every block of that
-turn, a damaged block file makes ``cached_tokens`` stop at the damage, kill -9 rounds leave no
+turn, a damaged block file makes ``cached_tokens`` stop at the damage, kill -9 round leaves no
 shared memory after the restart, a lost registry takes its block files with it, and weights
 swapped in place never reuse the old weights' KV. The tests run in file order on one server.
 """
@@ -72,15 +72,15 @@ def test_damaged_block_file_cached_tokens_count_only_what_loaded(server: ServerP
 def test_kill9_rounds_leave_no_shared_memory_then_lost_registry_is_recovered(
     server: ServerProcess,
 ) -> None:
-    """Two kill -9 rounds; before the last restart the registry is deleted and a block file
-    truncated too: each recovery logs one warning naming its file, and afterwards the registry
-    and the files agree (no session, no file)."""
+    """A kill -9 round (``benchmarks/faults.py`` runs ten); before the restart the registry is
+    deleted and a block file truncated too: each recovery logs one warning naming its file, and
+    afterwards the registry and the files agree (no session, no file)."""
     registry = server.cache_dir / "sessions.sqlite3"
     damaged: list[Path] = []
     keys: list[str] = []
 
     def lose_registry(round_: int) -> None:
-        if round_ == 1:
+        if round_ == 0:
             keys.extend(faults.session_keys(server.cache_dir, SESSION))
             damaged.append(faults.block_files(server.cache_dir, keys[3])[0])
             faults.damage(damaged[0], "truncated")
@@ -88,12 +88,12 @@ def test_kill9_rounds_leave_no_shared_memory_then_lost_registry_is_recovered(
                 Path(f"{registry}{suffix}").unlink(missing_ok=True)
 
     log_start = server.log_path.stat().st_size
-    figures = faults.kill_rounds(server, rounds=2, conversations=2, before_restart=lose_registry)
+    figures = faults.kill_rounds(server, rounds=1, conversations=2, before_restart=lose_registry)
     assert figures["shm segments left by kill -9"] > 0  # what vLLM's engine leaves behind
     assert figures["shm segments left after restart"] == 0
     assert figures["corrupt block files"] == 0
     assert figures["5xx responses"] == 0
-    assert figures["greedy answers identical to cache-off"] == "6/6"
+    assert figures["greedy answers identical to cache-off"] == "4/4"
     log = server.log_path.read_text(errors="replace")[log_start:]
     assert re.search(r"WARNING .*reclaimed \d+ shared-memory segment", log)
     assert re.search(rf"WARNING .*KV block file {re.escape(str(damaged[0]))} is \d+ bytes", log)

@@ -13,17 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from load import CONCURRENT_HEADER, HEADER, concurrent_summary, differing, run_load, summary
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import ServerFactory, ServerProcess
+    from tests.integration.conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
 
 def test_concurrent_conversations_with_session_churn_answer_as_cache_off(
-    lgkv_server: ServerProcess, start_server: ServerFactory
+    lgkv_server: ServerProcess, plain_server: ServerProcess
 ) -> None:
     ours = run_load(lgkv_server.base_url, lgkv_server.model, conversations=8, turns=3,
                     max_tokens=8, api_calls=6, session_prefix="load")  # fmt: skip
-    plain = start_server("--no-kv-offload", "--no-enable-prefix-caching")
+    plain = plain_server
     reference = run_load(plain.base_url, plain.model, conversations=8, turns=3, max_tokens=8,
                          session_prefix="load")  # fmt: skip
     print("\n" + HEADER)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import ServerFactory, ServerProcess
+    from tests.integration.conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -153,8 +153,8 @@ def test_sessions_survive_a_restart(lgkv_server: ServerProcess) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 256  # loaded from disk
 
 
-def test_no_kv_offload_session_api_is_503(start_server: ServerFactory) -> None:
-    server = start_server("--no-kv-offload")
+def test_no_kv_offload_session_api_is_503(plain_server: ServerProcess) -> None:
+    server = plain_server
     with server.client() as c:
         r = c.get("/v1/sessions")
         assert r.status_code == 503
