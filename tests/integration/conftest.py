@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,8 +192,8 @@ def start_server(
         return server
 
     yield start
-    for server in started:
-        server.stop()
+    with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+        list(pool.map(ServerProcess.stop, started))  # all shut down at once, not one by one
 
 
 @pytest.fixture(scope="session")
