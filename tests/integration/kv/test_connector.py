@@ -126,6 +126,11 @@ def test_corrupt_block_file_is_a_miss(llm: Any, registry: Registry, kv_cache_dir
     path.write_bytes(bytes(data))
     got = turn(llm, STATE["prompt2"], "A")
     same_answer(got, STATE["ref"])  # recomputed, not served from the bad file
+    # The bad file is removed and the recomputed block written again, both on the I/O thread
+    # after the answer: wait for the new file (its writer renames it in place when complete).
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert path.read_bytes() != bytes(data)  # the recomputed block was written again
     got = turn(llm, STATE["prompt2"], "A")
     same_answer(got, STATE["ref"])
