@@ -35,7 +35,6 @@ from langgraph_kvcache.checkpoint.base import (
     BaseSQLAlchemySaver,
     Mode,
     Op,
-    check_prune_args,
     execution_options,
 )
 from langgraph_kvcache.checkpoint.engine import (
@@ -47,6 +46,7 @@ from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.kv_keeper import Runner
 from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions, resolve_options
 from langgraph_kvcache.checkpoint.kv_sessions_aio import AsyncThreadSessions
+from langgraph_kvcache.checkpoint.maintenance import check_prune_args
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -216,10 +216,8 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        await self._run(
-            self._op_put_writes(config, writes, task_id, task_path),
-            self._writes_mode(len(writes)),
-        )
+        rows, mode = self._write_rows(config, writes, task_id, task_path)
+        await self._run(self._op_put_writes(rows), mode)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

@@ -1,6 +1,7 @@
 """Shared logic of the sync and async SQLAlchemy savers.
 
-Each saver operation is written once here as a generator of :class:`Stmt` objects: it yields a
+Each saver operation is written once here (deleting, copying and pruning in
+:mod:`.maintenance`) as a generator of :class:`~.ops.Stmt` objects: it yields a
 statement, receives the rows it returned, and finally returns its result. The sync saver
 (:mod:`.sync`) and the async saver (:mod:`.aio`) only differ in how they run that generator
 (``Connection.execute`` or ``await AsyncConnection.execute``) and in which transaction.
@@ -12,10 +13,8 @@ whole the savers call a hook of :class:`~langgraph_kvcache.checkpoint.hooks.Life
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -29,61 +28,26 @@ from langgraph.checkpoint.base import (
     get_checkpoint_id,
     get_serializable_checkpoint_metadata,
 )
-from sqlalchemy import (
-    Executable,
-    delete,
-    func,
-    insert,
-    literal,
-    select,
-    text,
-    update,
-)
+from sqlalchemy import func, insert, select, text
 
-from langgraph_kvcache.checkpoint import codec, delta, filters, gc, queries
+from langgraph_kvcache.checkpoint import codec, compress, delta, filters, queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.lists import DEFAULT_SNAPSHOT_EVERY, ListState, MissingItems
+from langgraph_kvcache.checkpoint.list_rows import DEFAULT_SNAPSHOT_EVERY, MissingItems
+from langgraph_kvcache.checkpoint.lists import ListState
+from langgraph_kvcache.checkpoint.maintenance import ThreadMaintenance
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
+from langgraph_kvcache.checkpoint.ops import Mode, Op, Stmt
 from langgraph_kvcache.checkpoint.schema import (
-    blobs,
     checkpoints,
-    items,
     migrations_table,
-    writes,
 )
-from langgraph_kvcache.errors import CheckpointerSetupError, ThreadNotEmptyError
+from langgraph_kvcache.errors import CheckpointerSetupError
 
 T = TypeVar("T")
 
-PRUNE_STRATEGIES = ("keep_latest", "delete")
-"""Strategies ``prune`` accepts."""
-
 SETUP_LOCK_KEY = 0x6C676B76
 """PostgreSQL advisory lock key that serialises concurrent ``setup()`` calls."""
-
-
-@dataclass(frozen=True)
-class Stmt:
-    """One statement an operation wants run, with its parameters."""
-
-    statement: Executable
-    params: list[dict[str, Any]] | dict[str, Any] | None = None
-    """A dict, or a list of dicts for an executemany."""
-    fetch: bool = False
-    """Whether the operation wants the result rows (as mappings) back."""
-    plain: bool = False
-    """A prebuilt statement whose parameters are str, int, bytes or JSON-typed and whose results
-    are str, int or bytes: a driver may run its compiled SQL on the DBAPI connection directly
-    (see :func:`langgraph_kvcache.checkpoint.plain.run_plain`)."""
-
-
-Op = Generator[Stmt, list[Any], T]
-"""A saver operation: yields statements, is sent their rows, returns its result."""
-
-Mode = Literal["read", "single", "write"]
-"""How a driver runs an operation: ``read`` (reads only), ``single`` (one write statement, atomic
-by itself) or ``write`` (several statements in one write transaction)."""
 
 
 def execution_options(dialect: str, mode: Mode) -> dict[str, Any]:
@@ -95,7 +59,7 @@ def execution_options(dialect: str, mode: Mode) -> dict[str, Any]:
     return {BEGIN_OPTION: "immediate" if mode == "write" else "none"}
 
 
-class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
+class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver[str]):
     """Operations shared by :class:`SQLAlchemySaver` and :class:`AsyncSQLAlchemySaver`.
 
     Subclasses set ``dialect`` (``"sqlite"`` or ``"postgresql"``), call :meth:`_init_lists`
@@ -110,10 +74,6 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
         """Set up :attr:`lists`; ``snapshot_every`` as documented on the savers."""
         every = DEFAULT_SNAPSHOT_EVERY if snapshot_every is None else snapshot_every
         self.lists = ListState(self.serde, every)
-
-    def _writes_mode(self, n_writes: int) -> Mode:
-        """``put_writes`` is one statement on PostgreSQL, one per row on SQLite."""
-        return "single" if self.dialect == "postgresql" or n_writes <= 1 else "write"
 
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """Next channel version: ``"<32-digit counter>.<random>"``, like the PostgreSQL saver."""
@@ -179,7 +139,7 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
             for stmt, params in batches:
                 got = yield Stmt(stmt, {**scope, **params}, fetch=True, plain=True)
                 for r in got:
-                    typed = (r["type"], bytes(r["blob"]))
+                    typed = compress.unpack(r["type"], bytes(r["blob"]))
                     fetched[bytes(r["item"])] = typed
                     self.lists.items.put(bytes(r["item"]), typed)
         return loaded.tuples(self.serde, self.lists, fetched)
@@ -273,126 +233,38 @@ class BaseSQLAlchemySaver(LifecycleHooks, BaseCheckpointSaver[str]):
             }
         }
 
-    def _op_put_writes(
+    def _write_rows(
         self,
         config: RunnableConfig,
         writes_: Sequence[tuple[str, Any]],
         task_id: str,
         task_path: str,
-    ) -> Op[None]:
-        rows = codec.write_rows(self.serde, config, writes_, task_id, task_path)
-        if not rows:
-            return
+    ) -> tuple[codec.WriteRows, Mode]:
+        """The rows of a ``put_writes`` and how to run them: one statement on PostgreSQL (up to
+        ``queries.PUT_INLINE_ITEMS`` items), one per table on SQLite."""
+        rows, item_rows = codec.write_rows(
+            self.serde, config, writes_, task_id, task_path, self.lists
+        )
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
-        stmt = queries.insert_writes(self.dialect, len(rows), upsert)
-        yield Stmt(stmt, queries.row_params(self.dialect, rows), plain=True)
+        if self.dialect == "postgresql":
+            many = len(item_rows) > queries.PUT_INLINE_ITEMS
+        else:
+            many = len(rows) > 1 or bool(item_rows)
+        return codec.WriteRows(rows, item_rows, upsert), "write" if many else "single"
 
-    def _op_delete_threads(self, thread_ids: Sequence[str]) -> Op[None]:
-        self.lists.forget_threads(thread_ids)
-        for table in (checkpoints, blobs, items, writes):
-            for chunk in gc.chunks(list(thread_ids)):
-                yield Stmt(delete(table).where(table.c.thread_id.in_(chunk)))
-
-    def _op_copy_thread(self, source: str, target: str) -> Op[None]:
-        exists = yield Stmt(
-            select(checkpoints.c.checkpoint_id).where(checkpoints.c.thread_id == target).limit(1),
-            fetch=True,
-        )
-        if exists:
-            raise ThreadNotEmptyError(
-                f"copy_thread: target thread {target!r} already has checkpoints; delete it first "
-                "or copy to a new thread id."
-            )
-        self.lists.forget_threads([target])
-        for table in (checkpoints, blobs, items, writes):
-            names = [col.name for col in table.c if col.name != "thread_id"]
-            source_rows = select(
-                literal(target).label("thread_id"), *[table.c[n] for n in names]
-            ).where(table.c.thread_id == source)
-            yield Stmt(insert(table).from_select(["thread_id", *names], source_rows))
-
-    def _op_prune(self, thread_ids: Sequence[str], strategy: str) -> Op[None]:
-        if strategy == "delete":
-            yield from self._op_delete_threads(thread_ids)
+    def _op_put_writes(self, rows: codec.WriteRows) -> Op[None]:
+        """Write the rows of :meth:`_write_rows`: items first (or, on PostgreSQL, in the same
+        statement), so a stored write never names an item that is not stored."""
+        if not rows.rows:
             return
-        c = checkpoints.c
-        uses_delta = filters.has_metadata_key(self.dialect, "counters_since_delta_snapshot")
-        delta = yield Stmt(
-            select(c.thread_id).where(c.thread_id.in_(thread_ids), uses_delta).distinct(),
-            fetch=True,
-        )
-        if delta:
-            names = ", ".join(sorted(r["thread_id"] for r in delta))
-            raise NotImplementedError(
-                f"keep_latest can't prune threads that use a DeltaChannel: {names}"
-            )
-        for thread_id in thread_ids:
-            heads = yield Stmt(
-                select(c.checkpoint_ns, func.max(c.checkpoint_id).label("head"))
-                .where(c.thread_id == thread_id)
-                .group_by(c.checkpoint_ns),
-                fetch=True,
-            )
-            for head in heads:
-                ns = head["checkpoint_ns"]
-                rows = yield Stmt(
-                    select(c.checkpoint_id).where(
-                        c.thread_id == thread_id,
-                        c.checkpoint_ns == ns,
-                        c.checkpoint_id != head["head"],
-                    ),
-                    fetch=True,
-                )
-                yield from self._op_delete_checkpoints(
-                    thread_id, ns, [r["checkpoint_id"] for r in rows]
-                )
-
-    def _op_delete_for_runs(self, run_ids: Sequence[str]) -> Op[list[str]]:
-        """Delete the checkpoints (and their writes) made by ``run_ids``; returns their threads."""
-        c = checkpoints.c
-        found: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for chunk in gc.chunks([str(r) for r in run_ids]):
-            rows = yield Stmt(
-                select(c.thread_id, c.checkpoint_ns, c.checkpoint_id).where(c.run_id.in_(chunk)),
-                fetch=True,
-            )
-            for r in rows:
-                found[(r["thread_id"], r["checkpoint_ns"])].append(r["checkpoint_id"])
-        for (thread_id, ns), ids in found.items():
-            yield from self._op_delete_checkpoints(thread_id, ns, ids)
-        return sorted({thread_id for thread_id, _ in found})
-
-    def _op_delete_checkpoints(self, thread_id: str, ns: str, ids: list[str]) -> Op[None]:
-        """Delete checkpoints of one namespace with their writes, then the blobs and list items
-        nothing left reads (a kept checkpoint keeps the versions its lists extend)."""
-        if not ids:
-            return
-        self.lists.forget_threads([thread_id])
-        c, w = checkpoints.c, writes.c
-        for chunk in gc.chunks(ids):
-            yield Stmt(
-                delete(checkpoints).where(
-                    c.thread_id == thread_id, c.checkpoint_ns == ns, c.checkpoint_id.in_(chunk)
-                )
-            )
-            yield Stmt(
-                delete(writes).where(
-                    w.thread_id == thread_id, w.checkpoint_ns == ns, w.checkpoint_id.in_(chunk)
-                )
-            )
-            yield Stmt(
-                update(checkpoints)
-                .where(c.thread_id == thread_id, c.checkpoint_ns == ns)
-                .where(c.parent_checkpoint_id.in_(chunk))
-                .values(parent_checkpoint_id=None)
-            )
-        yield from gc.op_collect(thread_id, ns)
-
-
-def check_prune_args(thread_ids: Sequence[str], strategy: str) -> list[str]:
-    """Validate ``prune``'s arguments like the PostgreSQL saver; returns the ids as strings."""
-    if isinstance(thread_ids, str):
-        raise TypeError("thread_ids must be a sequence of thread IDs, not a str")
-    if strategy not in PRUNE_STRATEGIES:
-        raise ValueError(f"Unknown prune strategy: {strategy!r}; use one of {PRUNE_STRATEGIES}")
-    return [str(t) for t in thread_ids]
+        item_rows = rows.item_rows
+        inline = item_rows if self.dialect == "postgresql" else []
+        if len(inline) > queries.PUT_INLINE_ITEMS:
+            inline = []
+        if item_rows and not inline:
+            yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
+        stmt = queries.insert_writes(self.dialect, len(rows.rows), rows.upsert, len(inline))
+        params = queries.row_params(self.dialect, rows.rows)
+        if inline:
+            params = {**params, **queries.item_params(inline)}
+        yield Stmt(stmt, params, plain=True)

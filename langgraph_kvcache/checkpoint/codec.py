@@ -23,13 +23,15 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
 
-from langgraph_kvcache.checkpoint.lists import (
+from langgraph_kvcache.checkpoint import compress
+from langgraph_kvcache.checkpoint.list_rows import (
     ITEMS_TYPE,
-    ListState,
     ListVersion,
     StoredBlob,
     is_item_list,
+    split_digests,
 )
+from langgraph_kvcache.checkpoint.lists import ListState
 from langgraph_kvcache.checkpoint.queries import KIND_BLOB, KIND_CHECKPOINT
 
 BlobKey = tuple[str, str, str, str]
@@ -41,14 +43,20 @@ WriteKey = tuple[str, str, str]
 
 
 def next_version(current: str | int | float | None) -> str:
-    """The PostgreSQL saver's version scheme: zero-padded counter plus a random tiebreak."""
+    """The next channel version: ``"<16-digit counter>.<12 hex digits>"``.
+
+    Like the PostgreSQL saver's (a zero-padded counter and a random tiebreak, so two forks
+    that reach the same counter still name different blob rows) but 29 characters, not 51:
+    versions are repeated in every checkpoint's ``channel_versions`` and ``versions_seen``
+    and in the blobs' keys. Strings compare in counter order, also against the 32-digit
+    versions of older rows (whose first 16 digits are zeros, below any new counter)."""
     if current is None:
         current_v = 0
     elif isinstance(current, (int, float)):
         current_v = int(current)
     else:
         current_v = int(current.split(".")[0])
-    return f"{current_v + 1:032}.{random.random():016}"
+    return f"{current_v + 1:016}.{random.getrandbits(48):012x}"
 
 
 def split_values(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -84,6 +92,16 @@ class PutRows:
         self.row, self.blob_rows, self.item_rows, self.lists = row, blob_rows, item_rows, lists
 
 
+class WriteRows:
+    """What one ``put_writes`` writes: write rows, the list items they reference, and whether
+    the writes replace existing ones (all special channels)."""
+
+    def __init__(
+        self, rows: list[dict[str, Any]], item_rows: list[dict[str, Any]], upsert: bool
+    ) -> None:
+        self.rows, self.item_rows, self.upsert = rows, item_rows, upsert
+
+
 def checkpoint_row(
     serde: SerializerProtocol,
     config: RunnableConfig,
@@ -104,10 +122,11 @@ def checkpoint_row(
     blob_versions = {ch: versions[ch] for ch in blob_values if ch in versions}
     body = {
         **checkpoint,
+        "id": None,  # the checkpoint_id column has it; make_tuple puts it back (same position)
         "channel_values": inline,
         "channel_versions": {ch: v for ch, v in versions.items() if ch not in blob_versions},
     }
-    type_, data = serde.dumps_typed(body)
+    type_, data = compress.pack(*serde.dumps_typed(body))
     run_id = metadata.get("run_id")
     row = {
         "thread_id": thread_id,
@@ -161,16 +180,30 @@ def write_rows(
     writes: Sequence[tuple[str, Any]],
     task_id: str,
     task_path: str,
-) -> list[dict[str, Any]]:
-    """``checkpoint_writes`` rows; special channels get their negative ``WRITES_IDX_MAP`` index."""
+    lists: ListState,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``checkpoint_writes`` rows and the ``checkpoint_items`` rows they reference.
+
+    Special channels get their negative ``WRITES_IDX_MAP`` index. A regular write whose value
+    is a list (``add_messages``' new messages) is stored as its items' digests (type
+    :data:`ITEMS_TYPE`), its items in ``checkpoint_items``, where the list version that takes
+    them in shares them."""
     configurable = config["configurable"]
+    thread_id = str(configurable["thread_id"])
+    ns = configurable.get("checkpoint_ns", "")
     rows = []
+    item_rows: dict[bytes, dict[str, Any]] = {}
     for idx, (channel, value) in enumerate(writes):
-        type_, data = serde.dumps_typed(value)
+        if channel not in WRITES_IDX_MAP and is_item_list(value):
+            type_ = ITEMS_TYPE
+            data, new_items = lists.store_items(thread_id, ns, value)
+            item_rows.update((r["item"], r) for r in new_items)
+        else:
+            type_, data = serde.dumps_typed(value)
         rows.append(
             {
-                "thread_id": str(configurable["thread_id"]),
-                "checkpoint_ns": configurable.get("checkpoint_ns", ""),
+                "thread_id": thread_id,
+                "checkpoint_ns": ns,
                 "checkpoint_id": configurable["checkpoint_id"],
                 "task_id": task_id,
                 "task_path": task_path,
@@ -180,7 +213,7 @@ def write_rows(
                 "blob": data,
             }
         )
-    return rows
+    return rows, list(item_rows.values())
 
 
 class LoadedRows:
@@ -213,7 +246,12 @@ class LoadedRows:
         for (thread_id, ns, _, _), (type_, data, _, _) in self.blobs.items():
             if type_ == ITEMS_TYPE and data:
                 found = out.setdefault((thread_id, ns), set())
-                found.update(data[i : i + 16] for i in range(0, len(data), 16))
+                found.update(split_digests(data))
+        for (thread_id, ns, _), rows in self.pending.items():
+            for w in rows:
+                if w["type"] == ITEMS_TYPE and w["data"]:
+                    found = out.setdefault((thread_id, ns), set())
+                    found.update(split_digests(bytes(w["data"])))
         return out
 
     def tuples(
@@ -235,6 +273,18 @@ def load_tuples(
     return LoadedRows(rows).tuples(serde, lists, {})
 
 
+def _write_value(
+    serde: SerializerProtocol,
+    row: Mapping[str, Any],
+    lists: ListState,
+    items: Mapping[bytes, tuple[str, bytes]],
+) -> Any:
+    """A pending write's value: serialized, or item digests (:func:`write_rows`)."""
+    if row["type"] == ITEMS_TYPE:
+        return lists.decode(bytes(row["data"] or b""), items)
+    return serde.loads_typed((row["type"], row["data"]))
+
+
 def make_tuple(
     serde: SerializerProtocol,
     head: Mapping[str, Any],
@@ -245,7 +295,8 @@ def make_tuple(
 ) -> CheckpointTuple:
     """One ``CheckpointTuple`` from its checkpoint row, the blobs, items and pending writes."""
     thread_id, ns, checkpoint_id = head["thread_id"], head["checkpoint_ns"], head["checkpoint_id"]
-    body: Checkpoint = serde.loads_typed((head["type"], head["data"]))
+    body: Checkpoint = serde.loads_typed(compress.unpack(head["type"], head["data"]))
+    body["id"] = checkpoint_id  # stored as None (rows before migration 6 have it anyway)
     values = dict(body["channel_values"])
     blob_versions = json.loads(head["c"])
     known: dict[str, ListVersion] = {}
@@ -285,7 +336,5 @@ def make_tuple(
             if parent
             else None
         ),
-        pending_writes=[
-            (w["b"], w["a"], serde.loads_typed((w["type"], w["data"]))) for w in writes
-        ],
+        pending_writes=[(w["b"], w["a"], _write_value(serde, w, lists, items)) for w in writes],
     )

@@ -2,23 +2,22 @@
 
 A checkpoint reads the blob rows its ``blob_versions`` names; a list version stored as a delta
 (:mod:`.lists`) also reads every version down its chain (``base_version``) to a snapshot; and
-list versions read their items. :func:`op_collect` keeps exactly that closure for one thread
-and namespace and deletes every other blob row and item, so a kept checkpoint never loses a
-version it extends. Operations are generators of :class:`~.base.Stmt` like the savers'.
+list versions, and pending writes stored as item references, read their items.
+:func:`op_collect` keeps exactly that closure for one thread and namespace and deletes every
+other blob row and item, so a kept checkpoint never loses a version it extends. Operations
+are generators of :class:`~.base.Stmt` like the savers'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import delete, select, tuple_
 
-from langgraph_kvcache.checkpoint.lists import ITEMS_TYPE, split_digests
-from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items
-
-if TYPE_CHECKING:
-    from langgraph_kvcache.checkpoint.base import Op
+from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE, split_digests
+from langgraph_kvcache.checkpoint.ops import Op, Stmt
+from langgraph_kvcache.checkpoint.schema import blobs, checkpoints, items, writes
 
 CHUNK = 500
 """Most keys per ``IN`` list, well under SQLite's bound-parameter limit."""
@@ -47,8 +46,6 @@ def reachable(
 def op_collect(thread_id: str, ns: str) -> Op[None]:
     """Delete the blob rows and list items of (``thread_id``, ``ns``) that no checkpoint left
     there reads."""
-    from langgraph_kvcache.checkpoint.base import Stmt
-
     c, b, i = checkpoints.c, blobs.c, items.c
     scope_b = (b.thread_id == thread_id, b.checkpoint_ns == ns)
     kept = yield Stmt(
@@ -63,7 +60,12 @@ def op_collect(thread_id: str, ns: str) -> Op[None]:
     for chunk in chunks(garbage):
         yield Stmt(delete(blobs).where(*scope_b, tuple_(b.channel, b.version).in_(chunk)))
     lists = yield Stmt(select(b.blob).where(*scope_b, b.type == ITEMS_TYPE), fetch=True)
-    used = {d for r in lists for d in split_digests(bytes(r["blob"] or b""))}
+    w = writes.c
+    referencing = yield Stmt(
+        select(w.blob).where(w.thread_id == thread_id, w.checkpoint_ns == ns, w.type == ITEMS_TYPE),
+        fetch=True,
+    )
+    used = {d for r in [*lists, *referencing] for d in split_digests(bytes(r["blob"] or b""))}
     scope_i = (i.thread_id == thread_id, i.checkpoint_ns == ns)
     present = yield Stmt(select(i.item).where(*scope_i), fetch=True)
     unused = sorted({bytes(r["item"]) for r in present} - used)

@@ -4,8 +4,9 @@ LangGraph gives a saver each new version of a channel as a whole value, so a lis
 one message per step would cost O(N^2) bytes over N steps if each version were stored whole.
 Here a version of a list channel is stored as *references* to its items instead:
 
-- each item is serialized on its own and stored once per thread and namespace in
-  ``checkpoint_items``, keyed by a 16-byte BLAKE2b digest of its serialized form;
+- each item is stored once per thread and namespace in ``checkpoint_items`` (compressed when
+  it pays, :mod:`.compress`), keyed by a 16-byte BLAKE2b digest of its own serialized form
+  (which is its slice of the whole list's msgpack);
 - a version's row in ``checkpoint_blobs`` has type :data:`ITEMS_TYPE` and holds digests: a
   *snapshot* (``base_version`` NULL) lists every item; a *delta* (``base_version`` set) lists
   only the items after those of the version it extends. A delta is written when the new value
@@ -19,7 +20,9 @@ Here a version of a list channel is stored as *references* to its items instead:
 - reads concatenate the digests along the chain and rebuild the list. When every item was
   serialized by msgpack (``JsonPlusSerializer``'s default), the items' bytes joined behind a
   msgpack array header are exactly the bytes of the whole list, so the list is decoded in one
-  ``loads_typed`` call, as a plain saver would.
+  ``loads_typed`` call, as a plain saver would. Writing is the mirror image: the whole new list
+  is serialized once, and when its bytes are the header, the base's remembered item bytes and
+  the new items, only the new items are digested (:meth:`ListState._serialize`).
 
 Which version a delta extends comes from :class:`ListState`, a per-saver memory of the list
 versions of recently written or read checkpoints (a miss costs a snapshot, never a wrong
@@ -36,112 +39,26 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
-ITEMS_TYPE = "lgkv.items"
-"""``checkpoint_blobs.type`` of a list version stored as item digests."""
-
-DIGEST_SIZE = 16
-"""Bytes per item digest."""
-
-StoredBlob = tuple[str, bytes | None, str | None, int | None]
-"""A ``checkpoint_blobs`` row as read: (type, bytes, base version, versions since snapshot)."""
-
-DEFAULT_SNAPSHOT_EVERY = 100
-"""Default ``snapshot_every``: a chain of list versions restarts with a snapshot every 100
-versions (anchors every 10)."""
-
-ITEM_CACHE_BYTES = 64 * 2**20
-"""Default bound of the serialized item bytes a saver remembers (by digest)."""
-
-CHAIN_CACHE_ENTRIES = 2048
-"""Checkpoints whose list versions a saver remembers (to write deltas against them)."""
-
-
-class MissingItems(LookupError):
-    """Some list items were neither remembered nor fetched (the reader fetches and retries)."""
-
-    def __init__(self, digest: bytes) -> None:
-        super().__init__(
-            f"checkpoint data is missing: list item {digest.hex()} is not stored. Was the "
-            "thread pruned by another process while this one wrote to it?"
-        )
-
-
-@dataclass(frozen=True)
-class ListVersion:
-    """What a saver knows about one stored version of a list channel."""
-
-    version: str
-    digests: bytes
-    """The digests of every item of the value, in order (``DIGEST_SIZE`` bytes each)."""
-    count: int
-    """Versions since its chain's snapshot (0: a snapshot)."""
-    root: tuple[str, int]
-    """(version, item count) of its chain's snapshot (itself for a snapshot)."""
-    anchor: tuple[str, int]
-    """(version, item count) that a leaf appended after this version extends: itself for a
-    snapshot or an anchor, its own base for a leaf."""
-
-
-@dataclass(frozen=True)
-class PlannedList:
-    """The rows one ``put`` writes for one list channel."""
-
-    blob_row: dict[str, Any]
-    item_rows: list[dict[str, Any]]
-    state: ListVersion
-
-
-def msgpack_array_header(n: int) -> bytes:
-    """The msgpack header of an array of ``n`` elements."""
-    if n < 16:
-        return bytes([0x90 | n])
-    if n < 2**16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-def split_digests(data: bytes) -> list[bytes]:
-    """The digests packed in a :data:`ITEMS_TYPE` row."""
-    return [data[i : i + DIGEST_SIZE] for i in range(0, len(data), DIGEST_SIZE)]
-
-
-def is_item_list(value: Any) -> bool:
-    """Whether ``value`` is stored as items: exactly a ``list`` (not a subclass, not a tuple)."""
-    return type(value) is list
-
-
-class _ByteLRU:
-    """A thread-safe map of digest -> (serde type, bytes), bounded by total bytes (the oldest
-    entries go first)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._data: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, digest: bytes) -> tuple[str, bytes] | None:
-        # No reordering on reads (a dict read is atomic): eviction is first in, first out.
-        return self._data.get(digest)
-
-    def put(self, digest: bytes, item: tuple[str, bytes]) -> None:
-        size = len(item[1]) + 64
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            if digest in self._data:
-                return
-            self._data[digest] = item
-            self._size += size
-            while self._size > self.max_bytes:
-                _, old = self._data.popitem(last=False)
-                self._size -= len(old[1]) + 64
+from langgraph_kvcache.checkpoint import compress
+from langgraph_kvcache.checkpoint.list_rows import (
+    CHAIN_CACHE_ENTRIES,
+    DEFAULT_SNAPSHOT_EVERY,
+    DIGEST_SIZE,
+    ITEM_CACHE_BYTES,
+    ITEMS_TYPE,
+    ListVersion,
+    MissingItems,
+    PlannedList,
+    StoredBlob,
+    _ByteLRU,
+    msgpack_array_header,
+    split_digests,
+)
 
 
 class ListState:
@@ -230,11 +147,12 @@ class ListState:
         ``base``'s items and the chain is shorter than ``snapshot_every``, a delta: an anchor
         (extending the snapshot) every ``anchor_every`` versions, else a leaf (extending the
         last anchor); otherwise a snapshot."""
-        plain = [self._digest_serde.dumps_typed(item) for item in value]
-        digests: list[bytes] = []
         base_digests = split_digests(base.digests) if base is not None else []
+        plain, same = self._serialize(value, base_digests)
+        digests: list[bytes] = base_digests[:same]
         prefix = base is not None and len(base_digests) <= len(plain)
-        for i, typed in enumerate(plain):
+        for i in range(same, len(plain)):
+            typed = plain[i]
             if prefix and i < len(base_digests):
                 known = None if self._encrypted else self.items.get(base_digests[i])
                 if known == typed:
@@ -270,17 +188,7 @@ class ListState:
             if digest in stored or digest in seen:
                 continue
             seen.add(digest)
-            typed = self.serde.dumps_typed(value[i]) if self._encrypted else plain[i]
-            self.items.put(digest, typed)
-            item_rows.append(
-                {
-                    "thread_id": thread_id,
-                    "checkpoint_ns": ns,
-                    "item": digest,
-                    "type": typed[0],
-                    "blob": typed[1],
-                }
-            )
+            item_rows.append(self._item_row(thread_id, ns, digest, plain[i], value[i]))
         blob_row = {
             "thread_id": thread_id,
             "checkpoint_ns": ns,
@@ -292,6 +200,67 @@ class ListState:
             "since_snapshot": count,
         }
         return PlannedList(blob_row, item_rows, state)
+
+    def _serialize(
+        self, value: list[Any], base_digests: list[bytes]
+    ) -> tuple[list[tuple[str, bytes]], int]:
+        """``value``'s items serialized (plaintext serde) and how many leading ones are known to
+        be the base's items (``base_digests``), byte for byte.
+
+        An append is recognised with one serialization of the whole list, as a plain saver does:
+        when it is the msgpack array header, the base's items' remembered bytes and the new
+        items' own serializations, the first items are the base's (msgpack is prefix-free, so
+        the boundaries are the same). Otherwise every item is serialized on its own."""
+        k = len(base_digests)
+        if k and len(value) >= k and not self._encrypted:
+            old = [self.items.get(d) for d in base_digests]
+            if None not in old and all(t[0] == "msgpack" for t in old):  # type: ignore[index]
+                kind, whole = self._digest_serde.dumps_typed(value)
+                head = msgpack_array_header(len(value))
+                prefix = b"".join([t[1] for t in old])  # type: ignore[index]
+                if (
+                    kind == "msgpack"
+                    and whole.startswith(head)
+                    and whole.startswith(prefix, len(head))
+                ):
+                    new = [self._digest_serde.dumps_typed(item) for item in value[k:]]
+                    tail = b"".join([t[1] for t in new])
+                    if (
+                        all(t[0] == "msgpack" for t in new)
+                        and whole[len(head) + len(prefix) :] == tail
+                    ):
+                        return [*old, *new], k  # type: ignore[list-item]
+        return [self._digest_serde.dumps_typed(item) for item in value], 0
+
+    def _item_row(
+        self, thread_id: str, ns: str, digest: bytes, plain: tuple[str, bytes], value: Any
+    ) -> dict[str, Any]:
+        """The ``checkpoint_items`` row of one item (encrypted like other values with
+        ``EncryptedSerializer``, compressed when it pays: :mod:`.compress`), remembered."""
+        typed = self.serde.dumps_typed(value) if self._encrypted else plain
+        self.items.put(digest, typed)
+        stored_type, data = compress.pack(*typed)
+        return {
+            "thread_id": thread_id,
+            "checkpoint_ns": ns,
+            "item": digest,
+            "type": stored_type,
+            "blob": data,
+        }
+
+    def store_items(
+        self, thread_id: str, ns: str, value: list[Any]
+    ) -> tuple[bytes, list[dict[str, Any]]]:
+        """``value``'s item digests (packed) and the rows of all its items, for a pending write
+        stored as references (kept when already stored: the items are content-addressed, so
+        the list version that takes them in later shares the rows)."""
+        plain, _ = self._serialize(value, [])
+        digests = [self._digest(typed) for typed in plain]
+        rows = {
+            d: self._item_row(thread_id, ns, d, t, v)
+            for d, t, v in zip(digests, plain, value, strict=True)
+        }
+        return b"".join(digests), list(rows.values())
 
     # -- reading ----------------------------------------------------------------------------
 

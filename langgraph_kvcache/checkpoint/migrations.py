@@ -114,6 +114,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE checkpoint_blobs ADD COLUMN since_snapshot INTEGER",
         ),
     ),
+    Migration(
+        "stored format 2, no schema change: checkpoint bodies and list items may be stored "
+        "compressed (type prefix 'z1:'), list-valued pending writes as item digests (type "
+        "'lgkv.items'), bodies with the id left to the checkpoint_id column, 29-character "
+        "channel versions. Rows written before read as they did; this version number keeps "
+        "older langgraph-kvcache releases, which cannot read the new rows, off the database",
+        (),
+    ),
 )
 
 

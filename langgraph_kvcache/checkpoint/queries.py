@@ -101,7 +101,7 @@ def checkpoint_rows(
         .select_from(c)
         .join(each, true())
         .where(*([each.c.key.in_(channels)] if channels is not None else []))
-        .distinct()
+        .distinct()  # also for one checkpoint: SQLite then materializes it, a better plan
         .subquery("r")
     )
     w = writes.c
@@ -383,7 +383,12 @@ def insert_blobs(dialect: str, n_blobs: int) -> Any:
 
 
 @cache
-def insert_writes(dialect: str, n_writes: int, upsert: bool) -> Any:
+def insert_writes(dialect: str, n_writes: int, upsert: bool, n_items: int = 0) -> Any:
     """Insert ``n_writes`` write rows. ``upsert`` (all writes special) replaces an existing write
-    at the same key; otherwise the existing one is kept, as in the PostgreSQL saver."""
-    return _rows(dialect, writes, _WRITE_COLUMNS, n_writes, _upsert_write if upsert else _keep)
+    at the same key; otherwise the existing one is kept, as in the PostgreSQL saver. On
+    PostgreSQL also ``n_items`` list items (``i<i>_<column>``) as data-modifying CTEs."""
+    stmt = _rows(dialect, writes, _WRITE_COLUMNS, n_writes, _upsert_write if upsert else _keep)
+    for i in range(n_items):
+        item = _one_row(dialect, items, _ITEM_COLUMNS, f"i{i}_", _keep)
+        stmt = stmt.add_cte(item.cte(f"new_item_{i}"))
+    return stmt

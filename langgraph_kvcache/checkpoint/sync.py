@@ -35,7 +35,6 @@ from langgraph_kvcache.checkpoint.base import (
     BaseSQLAlchemySaver,
     Mode,
     Op,
-    check_prune_args,
     execution_options,
 )
 from langgraph_kvcache.checkpoint.engine import (
@@ -50,6 +49,7 @@ from langgraph_kvcache.checkpoint.kv_sessions import (
     ThreadSessions,
     resolve_options,
 )
+from langgraph_kvcache.checkpoint.maintenance import check_prune_args
 from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, run_op, run_plain
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
@@ -245,10 +245,8 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         task_path: str = "",
     ) -> None:
         """Save a task's pending writes against the checkpoint in ``config``."""
-        self._run_raw(
-            self._op_put_writes(config, writes, task_id, task_path),
-            self._writes_mode(len(writes)),
-        )
+        rows, mode = self._write_rows(config, writes, task_id, task_path)
+        self._run_raw(self._op_put_writes(rows), mode)
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

@@ -16,7 +16,7 @@ from sqlalchemy import event, func, select, text
 from langgraph_kvcache.checkpoint import queries
 from langgraph_kvcache.checkpoint import sync as sync_module
 from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
-from langgraph_kvcache.checkpoint.lists import ITEMS_TYPE, split_digests
+from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE, split_digests
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
 from langgraph_kvcache.checkpoint.schema import blobs, items
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
@@ -190,7 +190,7 @@ def test_rows_from_before_the_migration_stay_readable(db_url: str) -> None:
                 conn.execute(text("INSERT INTO checkpoint_migrations (v) VALUES (:v)"), {"v": v})
             old_value = [msg(0), msg(1)]
             type_, data = saver.serde.dumps_typed(old_value)
-            version = saver.get_next_version(None, None)
+            version = f"{1:032}.{0.25:016}"  # the 51-character versions of that time
             body = {**empty_checkpoint(), "channel_values": {}, "channel_versions": {}}
             b_type, b_data = saver.serde.dumps_typed(body)
             conn.execute(

@@ -1,0 +1,106 @@
+"""Compact stored format (migration 6): list-valued pending writes as item references shared
+with the list version that takes them in, compressed items and checkpoint bodies, the append
+recognised from one serialization of the whole list (and an in-place edit still caught), and
+29-character versions ordered after the older 51-character ones."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from sqlalchemy import select
+from test_lists import Thread, _count
+
+from langgraph_kvcache.checkpoint import compress
+from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE
+from langgraph_kvcache.checkpoint.schema import checkpoints, items, writes
+from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
+
+
+@pytest.fixture
+def saver(db_url: str) -> Any:
+    with SQLAlchemySaver.from_conn_string(db_url) as saver:
+        saver.setup()
+        yield saver
+
+
+def long_msg(i: int) -> HumanMessage:
+    return HumanMessage(f"message {i} " + "about the weather and the trip " * 8, id=f"m{i}")
+
+
+@pytest.mark.parametrize("data", [b"", b"short", os.urandom(300), b"compressible " * 40], ids=repr)
+@pytest.mark.parametrize("serde_type", ["msgpack", compress.PREFIX + "odd"])
+def test_compress_round_trip(serde_type: str, data: bytes) -> None:
+    stored_type, stored = compress.pack(serde_type, data)
+    assert compress.unpack(stored_type, stored) == (serde_type, data)
+    assert stored_type.startswith(compress.PREFIX) == (
+        serde_type.startswith(compress.PREFIX) or len(stored) + compress.MIN_SAVING <= len(data)
+    )
+    if data == b"compressible " * 40:
+        assert stored_type == compress.PREFIX + serde_type and len(stored) < len(data) // 4
+
+
+def test_list_write_is_stored_as_items_shared_with_the_next_version(db_url: str) -> None:
+    with SQLAlchemySaver.from_conn_string(db_url) as saver:
+        saver.setup()
+        thread = Thread(saver, "t")
+        first = thread.put([long_msg(0)])
+        saver.put_writes(first, [("messages", [long_msg(1)]), ("other", {"k": 1})], "task")
+        thread.put([long_msg(0), long_msg(1)])
+        with saver.engine.connect() as conn:
+            rows = conn.execute(select(writes.c.channel, writes.c.type)).all()
+            stored = conn.execute(select(items.c.type)).scalars().all()
+        assert dict(rows)["messages"] == ITEMS_TYPE and dict(rows)["other"] != ITEMS_TYPE
+        assert len(stored) == 2  # the write's message is the next version's item
+        assert all(t == compress.PREFIX + "msgpack" for t in stored)
+    with SQLAlchemySaver.from_conn_string(db_url) as fresh:  # remembers nothing
+        found = fresh.get_tuple(first)
+        assert found is not None
+        assert sorted(found.pending_writes) == [
+            ("task", "messages", [long_msg(1)]),
+            ("task", "other", {"k": 1}),
+        ]
+        assert Thread(fresh, "t").read(thread.configs[1]) == [long_msg(0), long_msg(1)]
+        # A write's items outlive pruning as long as the write does.
+        fresh.put_writes(thread.configs[1], [("messages", [long_msg(7)])], "late")
+        fresh.prune(["t"], strategy="keep_latest")
+        assert _count(fresh, items, "t") == 3
+    with SQLAlchemySaver.from_conn_string(db_url) as again:
+        latest = again.get_tuple({"configurable": {"thread_id": "t", "checkpoint_ns": ""}})
+        assert latest is not None and latest.pending_writes == [("late", "messages", [long_msg(7)])]
+
+
+def test_in_place_edit_of_an_earlier_item_is_not_taken_for_an_append(
+    saver: Any, db_url: str
+) -> None:
+    thread = Thread(saver, "t")
+    messages = [long_msg(0), AIMessage("answer " * 30, id="a")]
+    thread.put(list(messages))
+    messages[1].content = "edited in place"  # same object, new content
+    thread.put([*messages, long_msg(2)])
+    assert thread.read(thread.configs[1])[1].content == "edited in place"
+    assert thread.read(thread.configs[0])[1].content == "answer " * 30
+    with SQLAlchemySaver.from_conn_string(db_url) as fresh:
+        assert Thread(fresh, "t").read(thread.configs[1]) == [*messages, long_msg(2)]
+
+
+def test_bodies_are_compressed_without_the_id_and_read_back_whole(saver: Any) -> None:
+    thread = Thread(saver, "t")
+    config = thread.put([long_msg(0)])
+    with saver.engine.connect() as conn:
+        stored_type = conn.execute(select(checkpoints.c.type)).scalar_one()
+    assert stored_type == compress.PREFIX + "msgpack"
+    found = saver.get_tuple(config)
+    assert found is not None
+    assert found.checkpoint["id"] == config["configurable"]["checkpoint_id"]
+    assert list(found.checkpoint)[:2] == ["v", "id"]  # the id keeps its place
+
+
+def test_versions_are_short_and_follow_older_long_ones(saver: Any) -> None:
+    old = f"{41:032}.{0.123456789:016}"  # the format before migration 6
+    new = saver.get_next_version(old, None)
+    assert len(new) == 29 and new > old and new.startswith(f"{42:016}.")
+    assert saver.get_next_version(new, None) > new
+    assert saver.get_next_version(None, None) > f"{0:032}.{0.9:016}"
