@@ -246,7 +246,7 @@ def concurrent_summary(name: str, r: LoadResult, reference: LoadResult | None) -
 
 CONCURRENT_HEADER = (
     "| server | requests | errors | req/s | prompt tokens/s | cached | TTFT p50 / p95 "
-    "(turns 2+) | answers = hold-everything |\n"
+    "(turns 2+) | answers = reference (last row) |\n"
     "| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 

@@ -1,20 +1,25 @@
-"""A LangGraph chat agent on the bundled server, with and without KV reuse, side by side.
+"""LangGraph chat agents on the bundled server: this server's KV tiers vs vLLM's prefix cache.
 
 Run ``make demo`` or ``python -m examples.demo``. It
 
 1. builds (once) or locates the default model, SmolLM2-135M-Instruct;
-   the agent's system prompt holds notes about the user and ~600 words of background reading
-   (the offline Wikipedia article "Europe"), about 1k tokens that every turn sends again;
 2. starts ``python -m server`` (examples/server_process.py) with the session KV cache on, and
-   runs a LangGraph agent (one LLM node, ``ChatKVCache``) for five turns on one thread, with
-   ``SQLAlchemySaver`` on a SQLite file and ``kv_server=`` keeping the thread's KV session;
-3. starts the same server again with KV reuse off (``--no-kv-offload
-   --no-enable-prefix-caching``: plain vLLM recomputing every prompt) and runs the same turns;
-4. prints per turn: prompt tokens, time to first token (TTFT, measured by streaming the graph
-   with ``stream_mode="messages"``) and cached prompt tokens of both runs; stops the servers.
+   runs four LangGraph agent threads (one LLM node, ``ChatKVCache``; ``SQLAlchemySaver`` on a
+   SQLite file with ``kv_server=`` keeping each thread's KV session) for five turns each,
+   interleaved (turn 1 of every thread, then turn 2, ...). Each thread's system prompt holds
+   notes about its user and ~600 words of background reading (an offline Wikipedia article,
+   a different one per thread), about 1k tokens that every turn sends again;
+3. starts the same server with ``--no-kv-offload``: vLLM's own engine with prefix caching on,
+   what a vLLM user runs today, and runs the same turns. The resident KV budget of both
+   (``--kv-cache-memory-bytes 96MiB``, 17 blocks of 128 tokens) holds about two of the four
+   histories, so between two turns of a thread the other threads push it out of vLLM's cache,
+   as many threads do on a real GPU cache; this server finds it in its RAM tier;
+4. prints per turn, the median over the threads: prompt tokens, time to first token (TTFT,
+   measured by streaming the graph with ``stream_mode="messages"``) and cached prompt tokens of
+   both runs; stops the servers.
 
-Turn 1 computes the whole prompt in both runs; from turn 2 on the reuse run takes the history's
-KV from the cache (whole 128-token blocks on CPU) and computes only the new tokens.
+Turn 1 finds nothing cached in either run (its row is the no-cache reference). Both servers get
+the same cores (``equal_cores_env``; each one's OpenMP core list is printed from its log).
 """
 
 from __future__ import annotations
@@ -31,32 +36,35 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
-from examples.server_process import ServerProcess, locate_model
+from examples.server_process import ServerProcess, equal_cores_env, locate_model
 from langgraph_kvcache import ChatKVCache, SQLAlchemySaver
 
 NOTES = (
     "You are a helpful AI assistant named SmolLM, trained by Hugging Face. "
     "Answer in English, in one or two short sentences. "
-    "Notes about the user for the whole conversation: they plan a one-week trip in late "
-    "spring, like museums, good bread, trains rather than cars, quiet mornings and long "
-    "walks, have been to Italy before, and want to see two or three cities without hurrying. "
+    "Notes about the user for the whole conversation: they plan a one-week trip to {region} in "
+    "late spring, like museums, good bread, trains rather than cars, quiet mornings and long "
+    "walks, and want to see two or three cities without hurrying. "
     "They carry one small backpack, book hotels near the main station, prefer small family "
     "restaurants to famous ones, read a little of the local language, wake up early, avoid "
     "crowds at midday, enjoy markets, rivers, bridges and old churches, and like to end each "
     "day with a quiet dinner and a short evening walk before going to bed early."
 )
+REGIONS = ("Europe", "Asia", "Africa", "South America")
+"""One thread per region: its user's trip, and the Wikipedia article of its background."""
 BACKGROUND_WORDS = 600
-"""Words of the Wikipedia article "Europe" added to the system prompt as background reading:
+"""Words of the region's Wikipedia article added to the system prompt as background reading:
 a realistic agent context (~1k tokens) whose prefill the cache saves on every later turn."""
 QUESTIONS = [
-    "What is the capital of France?",
+    "Which city should I visit first?",
     "Name one famous museum there.",
-    "How do I get from Paris to Lyon?",
-    "What food should I try in Lyon?",
+    "How do I get from there to the next city?",
+    "What food should I try there?",
     "Thanks! Summarise my trip in one sentence.",
 ]
-SERVER_FLAGS = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "512MiB"]
-NO_REUSE_FLAGS = ["--no-kv-offload", "--no-enable-prefix-caching"]
+SERVER_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", "96MiB"]
+PLAIN_VLLM_FLAGS = ["--no-kv-offload"]
+"""vLLM's engine with its prefix cache (on, as in ``vllm serve``) and no KV tiers."""
 
 
 @dataclass(frozen=True)
@@ -77,17 +85,19 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def system_prompt() -> str:
-    """The user notes plus the start of the offline Wikipedia article "Europe"."""
+def system_prompt(region: str) -> str:
+    """The user notes plus the start of the offline Wikipedia article on ``region``."""
     from examples.rag import load_articles
 
-    background = " ".join(load_articles()["Europe"].split()[:BACKGROUND_WORDS])
-    return f"{NOTES}\n\nBackground reading (Wikipedia, Europe):\n{background}"
+    background = " ".join(load_articles()[region].split()[:BACKGROUND_WORDS])
+    return (
+        f"{NOTES.format(region=region)}\n\nBackground reading (Wikipedia, {region}):\n{background}"
+    )
 
 
-def build_agent(llm: ChatKVCache, saver: SQLAlchemySaver) -> CompiledStateGraph:
+def build_agent(llm: ChatKVCache, saver: SQLAlchemySaver, region: str) -> CompiledStateGraph:
     """A one-node chat agent: the system prompt, then the thread's messages, to the model."""
-    system = SystemMessage(system_prompt())
+    system = SystemMessage(system_prompt(region))
 
     def agent(state: MessagesState) -> dict:
         # ChatKVCache names the KV session after the running thread by itself.
@@ -120,71 +130,89 @@ def run_turn(graph: CompiledStateGraph, thread_id: str, question: str) -> Turn:
     )
 
 
-def run_conversation(server: ServerProcess, *, keep_sessions: bool, work: Path) -> list[Turn]:
-    """Warm the engine up, then all ``QUESTIONS`` on a new thread of a new SQLite checkpointer."""
+def run_threads(server: ServerProcess, *, keep_sessions: bool, work: Path) -> list[list[Turn]]:
+    """Warm the engine up, then ``QUESTIONS`` on one new thread per region of a new SQLite
+    checkpointer, interleaved; ``turns[t][i]`` is turn ``t + 1`` of region ``i``."""
     llm = ChatKVCache(
         base_url=server.url + "/v1", model=server.model_name, max_tokens=48, frequency_penalty=0.8
     )
     llm.invoke("Hello!", session_id="warmup")  # first request pays one-off engine costs
     db = work / f"checkpoints-{uuid.uuid4().hex[:6]}.sqlite"
-    kv_server = server.url if keep_sessions else None  # reuse off: the session API is off too
-    thread_id = f"demo-{uuid.uuid4().hex[:8]}"
-    turns = []
+    kv_server = server.url if keep_sessions else None  # no tiers: the session API is off too
+    threads = {region: f"demo-{region.lower().replace(' ', '-')}-{uuid.uuid4().hex[:6]}"
+               for region in REGIONS}  # fmt: skip
+    turns: list[list[Turn]] = []
     with SQLAlchemySaver.from_conn_string(f"sqlite:///{db}", kv_server=kv_server) as saver:
         saver.setup()
-        graph = build_agent(llm, saver)
+        graphs = {region: build_agent(llm, saver, region) for region in REGIONS}
         for i, question in enumerate(QUESTIONS, 1):
-            turn = run_turn(graph, thread_id, question)
-            say(f"turn {i}: TTFT {turn.ttft_s * 1000:.0f} ms, cached {turn.cached_tokens}")
-            turns.append(turn)
+            row = [run_turn(graphs[r], threads[r], question) for r in REGIONS]
+            cells = ", ".join(f"{t.ttft_s * 1000:.0f} ms/{t.cached_tokens}" for t in row)
+            say(f"turn {i} (TTFT/cached per thread): {cells}")
+            turns.append(row)
         if keep_sessions:
-            saver.delete_thread(thread_id)  # drops the checkpoints and the KV session
+            for thread_id in threads.values():
+                saver.delete_thread(thread_id)  # drops the checkpoints and the KV session
     return turns
 
 
-def print_table(reuse: list[Turn], plain: list[Turn]) -> None:
-    """Side by side figures, then the answers of the reuse run."""
+def _median(row: list[Turn], attr: str) -> float:
+    return statistics.median(getattr(t, attr) for t in row)
+
+
+def print_table(ours: list[list[Turn]], plain: list[list[Turn]], cores: dict[str, str]) -> None:
+    """Per turn the medians over the threads, side by side, then one thread's answers."""
     print()
-    print("KV reuse ON : session KV cache (RAM + disk tiers), thread = session")
-    print("KV reuse OFF: same server and model with --no-kv-offload --no-enable-prefix-caching")
-    print("              (plain vLLM: every turn recomputes the whole prompt)")
+    print(f"{len(REGIONS)} threads x {len(QUESTIONS)} turns, interleaved; both servers "
+          f"{' '.join(SERVER_FLAGS)} (medians over the threads)")  # fmt: skip
+    print("kvcache: this server, the session KV cache (RAM + disk tiers), thread = session")
+    print("vLLM   : same server with --no-kv-offload: vLLM's engine, prefix caching on; the")
+    print("         other threads push each thread's history out of its cache between turns")
+    for name, line in cores.items():
+        print(f"  {name} cores: {line}")
     print()
-    head = (
-        f"{'turn':>4}  {'prompt':>6}  {'TTFT on':>8}  {'cached':>6}  {'TTFT off':>8}  {'cached':>6}"
-    )
-    print(head + "  speed-up")
-    for i, (a, b) in enumerate(zip(reuse, plain, strict=True), 1):
+    print(f"{'turn':>4}  {'prompt':>6}  {'kvcache':>8}  {'cached':>6}  {'vLLM':>8}  {'cached':>6}"
+          "  speed-up")  # fmt: skip
+    for i, (a, b) in enumerate(zip(ours, plain, strict=True), 1):
+        ta, tb = _median(a, "ttft_s"), _median(b, "ttft_s")
+        note = "  (nothing cached yet in either)" if i == 1 else ""
         print(
-            f"{i:>4}  {a.prompt_tokens:>6}  {a.ttft_s * 1000:>6.0f}ms  {a.cached_tokens:>6}  "
-            f"{b.ttft_s * 1000:>6.0f}ms  {b.cached_tokens:>6}  {b.ttft_s / a.ttft_s:>6.1f}x"
+            f"{i:>4}  {_median(a, 'prompt_tokens'):>6.0f}  {ta * 1000:>6.0f}ms  "
+            f"{_median(a, 'cached_tokens'):>6.0f}  {tb * 1000:>6.0f}ms  "
+            f"{_median(b, 'cached_tokens'):>6.0f}  {tb / ta:>6.1f}x{note}"
         )
-    later_on = statistics.median(t.ttft_s for t in reuse[1:]) * 1000
-    later_off = statistics.median(t.ttft_s for t in plain[1:]) * 1000
-    n = len(reuse)
-    print(f"turns 2-{n}: median TTFT {later_on:.0f} ms with reuse, {later_off:.0f} ms without")
+    later_ours = statistics.median(t.ttft_s for row in ours[1:] for t in row) * 1000
+    later_plain = statistics.median(t.ttft_s for row in plain[1:] for t in row) * 1000
+    n = len(ours)
+    print(f"turns 2-{n}: median TTFT {later_ours:.0f} ms kvcache, {later_plain:.0f} ms vLLM")
     print(
         "(TTFT includes the checkpointer and graph overhead; on a busy machine figures are noisy)"
     )
     print()
-    for i, (q, a) in enumerate(zip(QUESTIONS, reuse, strict=True), 1):
-        print(f"{i}. user: {q}\n   agent: {a.answer[:110]}")
+    print(f"thread {REGIONS[0]}, kvcache run:")
+    for q, row in zip(QUESTIONS, ours, strict=True):
+        print(f"  user: {q}\n  agent: {row[0].answer[:110]}")
     print()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Build/locate the model, run both conversations, print the comparison."""
+    """Build/locate the model, run the threads on both servers, print the comparison."""
     extra = list(sys.argv[1:] if argv is None else argv)
     locate_model()
     work = Path(tempfile.mkdtemp(prefix="lgkv-demo-"))
     say(f"working folder (SQLite checkpoints, KV cache, server logs): {work}")
-    say("1/2: KV reuse ON")
-    with ServerProcess(work / "kv", [*SERVER_FLAGS, *extra], log_dir=work / "on") as srv:
-        reuse = run_conversation(srv, keep_sessions=True, work=work)
-    say("2/2: KV reuse OFF (same prompts, plain vLLM)")
-    flags = [*SERVER_FLAGS, *NO_REUSE_FLAGS, *extra]
-    with ServerProcess(work / "kv-off", flags, log_dir=work / "off") as srv:
-        plain = run_conversation(srv, keep_sessions=False, work=work)
-    print_table(reuse, plain)
+    env, cores = equal_cores_env(), {}
+    say("1/2: this server (session KV cache on)")
+    flags = [*SERVER_FLAGS, *extra]
+    with ServerProcess(work / "kv", flags, log_dir=work / "on", env=env) as srv:
+        ours = run_threads(srv, keep_sessions=True, work=work)
+        cores["kvcache"] = srv.omp_cores()
+    say("2/2: vLLM's prefix cache alone (same prompts, --no-kv-offload)")
+    flags = [*SERVER_FLAGS, *PLAIN_VLLM_FLAGS, *extra]
+    with ServerProcess(work / "kv-off", flags, log_dir=work / "off", env=env) as srv:
+        plain = run_threads(srv, keep_sessions=False, work=work)
+        cores["vLLM"] = srv.omp_cores()
+    print_table(ours, plain, cores)
 
 
 if __name__ == "__main__":
