@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Final
 
 __all__ = [
+    "BARRIER_OP",
     "DEFAULT_TENANT",
     "MAX_TTL_SECONDS",
     "MIN_TTL_SECONDS",
@@ -122,6 +123,11 @@ PREFETCH_OP: Final = "prefetch"
 SYNC_OP: Final = "sync"
 """Value of ``extra_args[XARG_OP]`` of the engine request that applies recorded deletes now:
 it finishes once the engine has dropped the blocks and removed their files."""
+BARRIER_OP: Final = "barrier"
+"""Value of ``extra_args[XARG_OP]`` of the engine request that finishes once the engine's
+records (turns, block locations, counters) queued before it are in the registry and the
+changes recorded before it are applied; lighter than :data:`SYNC_OP` (no purge, no file
+removals awaited)."""
 
 
 class Unset:

@@ -28,8 +28,9 @@ The engine writes its own records (finished turns, block locations, counters) on
 thread, moments after a request finished and never on vLLM's scheduler thread. So that a read
 or change of sessions here sees every turn that finished before it (and a delete is never
 followed by a late record of an earlier turn), the methods that read or change sessions first
-run the same ``SYNC_OP`` (:meth:`SessionControl.catch_up`); the registry thread answers it
-only after the records queued before it are committed. :meth:`SessionControl.metrics` reads
+run a ``BARRIER_OP`` request the same way (:meth:`SessionControl.catch_up`); the engine lets
+it finish once the records queued before it are committed and the changes recorded before
+it are applied. :meth:`SessionControl.metrics` reads
 without it (counters are published every ``--kv-stats-flush`` seconds).
 """
 
@@ -45,6 +46,7 @@ import uuid
 from pathlib import Path
 
 from langgraph_kvcache.contract import (
+    BARRIER_OP,
     PREFETCH_OP,
     SYNC_OP,
     UNSET,
@@ -248,7 +250,7 @@ class SessionControl:
 
     def catch_up(self) -> None:
         """Block until the engine committed every turn that finished before this call and
-        applied every change recorded so far (a ``SYNC_OP``; see the module docstring). Runs
+        applied every change recorded so far (a ``BARRIER_OP``; see the module docstring). Runs
         in the caller's thread (the routes call from a worker thread); does nothing without an
         engine client or when called on the engine's event loop itself."""
         loop = self._loop
@@ -257,7 +259,7 @@ class SessionControl:
         with contextlib.suppress(RuntimeError):
             if asyncio.get_running_loop() is loop:
                 return  # waiting here would block the loop the op needs
-        future = asyncio.run_coroutine_threadsafe(self.settle(), loop)
+        future = asyncio.run_coroutine_threadsafe(self._engine_op(BARRIER_OP, {}), loop)
         try:
             future.result(timeout=CATCH_UP_TIMEOUT_S)
         except concurrent.futures.TimeoutError:

@@ -1,4 +1,4 @@
-"""Control requests on the scheduler side: ``PREFETCH_OP`` and ``SYNC_OP``.
+"""Control requests on the scheduler side: ``PREFETCH_OP``, ``SYNC_OP`` and ``BARRIER_OP``.
 
 The API process reaches the engine with one-token requests carrying an operation marker
 (:mod:`server.kv.control`). The scheduler side holds such a request (answers vLLM "not yet",
@@ -10,8 +10,10 @@ None, at each lookup) until its work is done, then lets it run its one token:
   (a flush and a registry barrier), so the API process reads the new RAM counts.
 - sync: flushes, has the registry thread purge expired sessions and read every change (which
   also means every turn record queued before it is committed), applies the drops, then waits
-  until the worker removed the freed files. A ``DELETE`` answers after it; the API process
-  also runs it before reading or changing a session, so it sees every finished turn.
+  until the worker removed the freed files. A ``DELETE`` answers after it.
+- barrier: flushes and waits for a registry barrier: every record queued before it is
+  committed and every change recorded before it applied. The API process runs it before it
+  reads or changes a session, so it sees every turn that finished before.
 
 Nothing here touches the registry or any file: it plans, and counts what is outstanding.
 """
@@ -21,11 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from langgraph_kvcache.contract import PREFETCH_OP, SYNC_OP
+from langgraph_kvcache.contract import BARRIER_OP, PREFETCH_OP, SYNC_OP
 from server.kv.index import BlockIndex
 from server.kv.metadata import NO_SLOT, StepPlan
 from server.kv.policy import EvictionPolicy
 from server.kv.registry_sync import RegistrySync
+
+CONTROL_OPS = (PREFETCH_OP, SYNC_OP, BARRIER_OP)
+"""The ``XARG_OP`` values this module holds (any other op runs as a plain request)."""
 
 
 @dataclass
@@ -63,7 +68,7 @@ class ControlOps:
     ) -> tuple[int | None, bool]:
         """The lookup answer for a control request: (None, False) while held, then (0, False).
         An unknown op runs at once as a plain one-token request."""
-        if op not in (PREFETCH_OP, SYNC_OP):
+        if op not in CONTROL_OPS:
             return 0, False
         hold = self._held.get(req_id)
         if hold is None:
@@ -73,6 +78,9 @@ class ControlOps:
             elif op == SYNC_OP:
                 self._flush()
                 hold.token = self.sync.sync()
+            elif op == BARRIER_OP:
+                self._flush()
+                hold.token = self.sync.barrier()
         self.advance()
         return (0, False) if hold.answered and not hold.keys else (None, False)
 

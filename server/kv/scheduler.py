@@ -30,13 +30,11 @@ from typing import Any
 
 from langgraph_kvcache.contract import (
     DEFAULT_TENANT,
-    PREFETCH_OP,
-    SYNC_OP,
     XARG_OP,
     XARG_SESSION,
     XARG_TENANT,
 )
-from server.kv.control_ops import ControlOps
+from server.kv.control_ops import CONTROL_OPS, ControlOps
 from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
@@ -137,7 +135,7 @@ class SessionKVScheduler:
         ("not yet") while a Redis check or a control request's work is outstanding."""
         self._begin_step()
         tracked = self._track(request)
-        if tracked.op in (PREFETCH_OP, SYNC_OP):
+        if tracked.op in CONTROL_OPS:
             return self._ops.step(request.request_id, tracked.op, tracked.session, self._plan)
         hashes = request.block_hashes
         start = num_computed_tokens // self.block_size

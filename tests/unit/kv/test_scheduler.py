@@ -325,3 +325,22 @@ def test_expired_sessions_leave_every_tier(tmp_path: Path) -> None:
     assert sched.get_num_new_matched_tokens(Req("a2", p), 0) == (0, False)
     assert sched.registry.get_session("t", "A") is None
     assert sorted(sched.build_plan([], {}).removes) == sorted(keys)
+
+
+def test_barrier_op_runs_after_the_turns_queued_before_it(tmp_path: Path) -> None:
+    sched = make(tmp_path)
+    p = prompt(13, 2)
+    req = Req("a", p, "A")
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [], 0)
+    report(sched, sched.build_plan([("a", [1, 2, 3], True, 0)], {"a": len(p)}))
+    req.num_computed_tokens = len(p)
+    sched.request_finished(req)  # queued for the registry thread, not written here
+    op = Req("op", [0], op="barrier")  # what SessionControl.catch_up sends
+    deadline = time.monotonic() + 10
+    while (answer := sched.get_num_new_matched_tokens(op, 0)) == (None, False):
+        assert time.monotonic() < deadline, "the barrier was never answered"
+        sched.build_plan([], {})  # a step goes by
+    assert answer == (0, False)
+    row = sched.registry.get_session("t", "A")
+    assert row is not None and row.turns == 1 and row.num_blocks == 2
