@@ -63,7 +63,11 @@ DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 << 20
 memory node, which fails beside any other process of some size."""
 DEFAULT_KV_DISK_BYTES = 16 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_TOOL_CALL_PARSER = "hermes"
+DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
+"""vLLM's hermes parser with the arguments kept as generated (server/tool_parser.py)."""
+DEFAULT_TOOL_STRICT_LEVEL = "parameter"
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
+"""Accepted ``--tool-strict-level`` values (vLLM's ``ToolStrictLevel`` names)."""
 KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
 """Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
 
@@ -232,7 +236,18 @@ class ServerConfig:
         DEFAULT_TOOL_CALL_PARSER, flag="--tool-call-parser", vllm=True, help="tool parser"
     )
     """vLLM tool parser for ``tool_choice="auto"`` (hermes-style ``<tool_call>{json}</tool_call>``);
-    ``None`` turns automatic tool calls off."""
+    ``lgkv_hermes`` returns each call's arguments as generated, so the tool turn renders back to
+    the cached tokens; ``None`` turns automatic tool calls off."""
+
+    tool_strict_level: str = setting(
+        DEFAULT_TOOL_STRICT_LEVEL, flag="--tool-strict-level", vllm=True,
+        choices=TOOL_STRICT_LEVELS, help="how far forced tool calls are constrained",
+    )  # fmt: skip
+    """vLLM's floor for tool-call grammars. ``parameter`` (ours): a named or ``required``
+    ``tool_choice`` constrains the whole call, arguments included, to the tool's JSON schema, so
+    even a small model returns a call that parses and validates; ``function``: the call's envelope
+    and name only (arguments free JSON); ``auto`` (vLLM's default): arguments follow the schema
+    only for tools sent with ``strict: true``."""
 
     vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")
     """Further vLLM engine/frontend flags, passed through unchanged
@@ -254,6 +269,11 @@ class ServerConfig:
             raise ConfigError(
                 f"--kv-offload-dtype/LGKV_KV_OFFLOAD_DTYPE must be one of "
                 f"{', '.join(KV_OFFLOAD_DTYPES)}; got {self.kv_offload_dtype!r}"
+            )
+        if self.tool_strict_level not in TOOL_STRICT_LEVELS:
+            raise ConfigError(
+                f"--tool-strict-level must be one of {', '.join(TOOL_STRICT_LEVELS)}; "
+                f"got {self.tool_strict_level!r}"
             )
         for name in ("kv_redis_ttl", "kv_stats_flush", "kv_default_gap", "kv_min_gap"):
             value = getattr(self, name)  # parse_seconds reads 0 as None

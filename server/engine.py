@@ -3,7 +3,8 @@
 vLLM's OpenAI frontend (routes, chat templates, streaming, tool parsers) reads an
 ``argparse.Namespace`` built by its parser; :func:`build_vllm_args` produces exactly that
 namespace from our typed config plus the pass-through flags, with our defaults (prompt token
-details on, prefix caching on, auto tool choice with the hermes parser, the session connector).
+details on, prefix caching on, auto tool choice with the hermes parser and forced tool calls
+constrained to the tool's schema (``--tool-strict-level parameter``), the session connector).
 :func:`start_engine` is vLLM's own ``AsyncLLM`` factory; with ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
 (vLLM's default) the engine core runs in a child process.
 
@@ -118,6 +119,8 @@ def vllm_argv(config: ServerConfig) -> list[str]:
         argv.append("--enforce-eager")
     if config.tool_call_parser:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+        if not _has_flag(config.vllm_args, "--tool-strict-level"):
+            argv += ["--tool-strict-level", config.tool_strict_level]
         template = tool_template_for(model)
         if template is not None and not _has_flag(config.vllm_args, "--chat-template"):
             argv += ["--chat-template", str(template)]
@@ -197,6 +200,7 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     from vllm.entrypoints.launchers.launcher import validate_api_server_args
     from vllm.logger import configure_logging_from_args
 
+    import server.tool_parser  # noqa: F401  (registers --tool-call-parser lgkv_hermes)
     from server.logs import use_vllm_logging
 
     argv = vllm_argv(config)

@@ -101,6 +101,8 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="no-kv-offload"):
         ServerConfig(kv_ram_bytes=0)
     assert ServerConfig(kv_ram_bytes=0, kv_offload=False).kv_offload is False
+    with pytest.raises(ConfigError, match="tool-strict-level must be one of"):
+        ServerConfig(tool_strict_level="strict")
     cfg = ServerConfig(cache_dir=Path("/c"))
     assert cfg.disk_dir == Path("/c/blocks")
 
@@ -131,7 +133,8 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert args.dtype == "float32"  # CPU
     assert args.kv_cache_memory_bytes == 64 << 20
     assert args.enable_prompt_tokens_details is True
-    assert args.enable_auto_tool_choice is True and args.tool_call_parser == "hermes"
+    assert args.enable_auto_tool_choice is True and args.tool_call_parser == "lgkv_hermes"
+    assert args.tool_strict_level == "parameter"  # forced tool calls follow the schema
     assert args.served_model_name == [str(tiny_model_dir)]
     ktc = args.kv_transfer_config
     assert ktc.kv_connector == "SessionKVConnector"
