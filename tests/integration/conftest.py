@@ -214,3 +214,23 @@ def plain_server(start_server: ServerFactory) -> ServerProcess:
 def server_url(lgkv_server: ServerProcess) -> str:
     """Base URL of the shared server, e.g. ``http://127.0.0.1:43123``."""
     return lgkv_server.base_url
+
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_ENGINE_ARGS: tuple[str, ...] = (
+    *TEST_ENGINE_ARGS,
+    "--block-size", "32",
+)  # fmt: skip
+"""The test engine settings with 32-token KV blocks: a turn's cached share is then never more
+than 31 tokens short of its whole prefix (128-token blocks would leave up to 127 uncached)."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(start_server: ServerFactory, smollm2_dir: Path) -> ServerProcess:
+    """The default model (SmolLM2-135M-Instruct) behind the full server, shared by the tests that
+    need a model that follows instructions: tool calls, structured output, agent loops.
+
+    Its resident KV cache (128 MiB, about 2,900 SmolLM2 tokens) holds fewer than four agent
+    threads' contexts, so interleaved threads hit from the RAM tier, not vLLM's own cache.
+    """
+    return start_server(model_dir=smollm2_dir, model=SMOLLM2_NAME, engine_args=SMOLLM2_ENGINE_ARGS)

@@ -1,10 +1,12 @@
 """ChatKVCache and the session client against the real bundled server.
 
-``kv_server_url`` (tests/integration/chat/conftest.py) is the integration suite's shared server
-(``server_url``): one model with the session KV connector on and no API key.
-
-The model is whatever the server serves (read from ``/v1/models``); the skips below are what a
-135M-parameter model cannot be relied on to do, not what the server or ChatKVCache lacks.
+``kv_server_url`` (tests/integration/chat/conftest.py) is ``smollm2_server``: the default model
+(SmolLM2-135M-Instruct) with the session KV connector on and no API key, shared with the agent
+tests. Every standard feature the server serves is declared: tool calling and a forced tool
+choice (vLLM constrains the call, arguments included, to the tool's schema), structured output
+(JSON schema) and JSON mode. What remains marked is what a 135M-parameter model cannot do, not what
+the server or ChatKVCache lacks: each xfail says why; the two that write to the token limit
+are not rerun (greedy decoding makes the outcome fixed), the other fails on any other error.
 """
 
 from __future__ import annotations
@@ -15,23 +17,19 @@ from typing import Annotated, Any, TypedDict
 
 import httpx
 import pytest
-from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, AnyMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from openai import LengthFinishReasonError
-from pydantic import ValidationError
 
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.client import SessionNotFoundError
 
 pytestmark = pytest.mark.vllm
 
-RANDOM_WEIGHT_MODELS = frozenset({"tiny-llama"})
-"""Served names of random-weight test models (tests/integration/conftest.py's shared server)."""
-BLOCK_TOKENS = 128  # vLLM's KV block size on CPU; only whole blocks are cached
+BLOCK_TOKENS = 128  # at least this many prompt tokens come from the cache on a second turn
 # Several KV blocks long, so a second request with the same history can reuse whole blocks.
 LONG_SYSTEM = "You are a careful assistant. Answer briefly. " + " ".join(
     f"Fact {i}: the code word for {i} is {i * 7}." for i in range(60)
@@ -102,46 +100,56 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        # ChatKVCache passes tools through (tests/chat/test_chat_model.py checks the wire
-        # format), but the standard checks need a model that calls magic_function(3) with
-        # {"input": 3}; SmolLM2-135M answers in text ("auto") or, forced by "required", with
-        # made-up arguments (seen: {'type': 'integer', 'required': ['input', 'integer']}).
-        return False
+        # The standard tool tests force the call (tool_choice="any", see has_tool_choice); the
+        # server constrains a forced call to the tool's schema (--tool-strict-level parameter).
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        # json_schema (the default method) is grammar-constrained by vLLM, and SmolLM2 ends the
-        # JSON; the suite's random-weight model fills the grammar's whitespace until the length
-        # limit (LengthFinishReasonError after ~2000 tokens), so the checks are skipped for it.
-        return self._model_name not in RANDOM_WEIGHT_MODELS
+        # json_schema (the default method) is grammar-constrained by vLLM (xgrammar, on CPU too).
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        # json_object output has no schema to end it: a 135M model keeps writing keys until
-        # the token limit cuts the JSON short (LengthFinishReasonError).
-        return False
+        return True  # served (vLLM constrains to a JSON object); see the xfail below
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[Any]]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     @pytest.mark.xfail(
-        reason="pydantic v1 schemas go through function calling; a 135M model makes no call "
-        "(result None) or fills the arguments with a JSON string, not an object (seen: 'Feline')",
-        raises=(ValidationError, OutputParserException, AssertionError),
-        strict=False,  # fails on any other error; a better model may pass
-    )
-    def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(
         reason="a 135M model keeps writing inside the schema's strings past the standard "
-        "100-token limit, so the JSON is cut short (LengthFinishReasonError)",
+        "100-token limit, so the JSON is cut short (LengthFinishReasonError; measured with "
+        "greedy decoding, so not rerun: each run writes to the limit, minutes on a busy CPU)",
         raises=LengthFinishReasonError,
-        strict=False,  # fails on any other error; a better model may pass
+        run=False,
     )
     def test_structured_output_optional_param(self, model: Any) -> None:
         super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(
+        reason="json_object output has no schema to end it: SmolLM2-135M nests "
+        '{"setup":{"setup":... until the 100-token limit (LengthFinishReasonError); '
+        "with_structured_output(schema), which passes, is the way to get JSON (greedy, so "
+        "not rerun: each run writes to the limit, minutes on a busy CPU)",
+        raises=LengthFinishReasonError,
+        run=False,
+    )
+    def test_json_mode(self, model: Any) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(
+        reason="needs the model to decide by itself to call a tool (tool_choice auto): "
+        "SmolLM2-135M answers the weather question in text, so there is no tool call",
+        raises=AssertionError,
+        strict=False,  # fails on any other error; a better model may pass
+    )
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         model = make_model(self._url)

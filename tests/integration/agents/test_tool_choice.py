@@ -1,0 +1,91 @@
+"""Forced tool calls on the real server: a named or ``required`` ``tool_choice`` returns a call
+whose arguments follow the tool's schema, and the tool turn re-renders to the cached tokens.
+
+Before ``--tool-strict-level parameter`` (server/config.py) vLLM's structural tag constrained
+only the call's envelope (``<tool_call>{"name": "lookup", "arguments": ``): SmolLM2 filled the
+arguments with the tool's JSON schema itself (``{"type": "string", "descrip...``), and a cut
+answer reached the hermes parser as broken JSON (a logged traceback, the raw text as content).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from agent_tools import BLOCK_TOKENS, TOOLS, lookup, system_prompt
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+
+from langgraph_kvcache import ChatKVCache
+
+pytestmark = pytest.mark.vllm
+
+QUESTION = "What does the encyclopedia say about the Atom? Look it up."
+
+
+def _answer(model: Any, messages: list[Any], *, stream: bool, **kwargs: Any) -> AIMessage:
+    if not stream:
+        return model.invoke(messages, **kwargs)
+    merged: AIMessageChunk | None = None
+    for chunk in model.stream(messages, **kwargs):
+        merged = chunk if merged is None else merged + chunk
+    assert merged is not None
+    return AIMessage(
+        content=merged.content,
+        tool_calls=merged.tool_calls,
+        usage_metadata=merged.usage_metadata,
+        response_metadata=merged.response_metadata,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
+@pytest.mark.parametrize("choice", ["lookup", "required", "any"])
+def test_forced_tool_choice_returns_a_schema_valid_call(
+    agent_model: ChatKVCache, choice: str, stream: bool
+) -> None:
+    model = agent_model.bind_tools(list(TOOLS), tool_choice=choice)
+    answer = _answer(model, [HumanMessage(QUESTION)], stream=stream)
+    assert answer.tool_calls, f"no tool call; content: {answer.content!r}"
+    assert "<tool_call>" not in str(answer.content)
+    for call in answer.tool_calls:
+        if choice == "lookup":
+            assert call["name"] == "lookup"
+        tool = {t.name: t for t in TOOLS}[call["name"]]
+        assert tool.args_schema is not None
+        tool.args_schema.model_validate(call["args"])  # the tool's own schema, strictly
+        assert set(call["args"]) == set(tool.args), call["args"]
+        print(f"  {choice}/{'stream' if stream else 'invoke'}: {call['name']}({call['args']})")
+
+
+def test_a_cut_forced_call_says_so(agent_model: ChatKVCache) -> None:
+    """A forced call cut by ``max_tokens`` comes back as ``finish_reason="length"`` with the
+    partial call as text, never as a made-up call."""
+    model = agent_model.bind_tools([lookup], tool_choice="lookup").bind(max_tokens=6)
+    answer = model.invoke([HumanMessage(QUESTION)])
+    assert not answer.tool_calls
+    assert answer.response_metadata.get("finish_reason") == "length"
+
+
+def test_tool_turn_keeps_the_prefix(agent_model: ChatKVCache, run_id: str) -> None:
+    """The call after a tool result hits on the whole prompt before the tool call (whole KV
+    blocks), and on the call itself wherever its generated tokens are the ones the chat template
+    renders back (``lgkv_hermes`` keeps the argument text as generated)."""
+    session = f"tool-turn-{run_id}"
+    model = agent_model.bind_tools(list(TOOLS), tool_choice="required")
+    history: list[Any] = [SystemMessage(system_prompt()), HumanMessage(QUESTION)]
+    first = model.invoke(history, session_id=session)
+    assert first.tool_calls and first.usage_metadata
+    call = first.tool_calls[0]
+    history += [first, ToolMessage(lookup.invoke(call["args"]), tool_call_id=call["id"])]
+    second = model.invoke(history, session_id=session)
+    assert second.usage_metadata
+    prompt = first.usage_metadata["input_tokens"]
+    context = prompt + first.usage_metadata["output_tokens"]
+    cached = second.usage_metadata["input_token_details"]["cache_read"]
+    print(f"  first call: prompt {prompt}, prompt + call {context}; next call cached {cached}")
+    assert cached >= prompt // BLOCK_TOKENS * BLOCK_TOKENS, (prompt, cached)
