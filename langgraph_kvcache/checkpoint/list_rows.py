@@ -85,17 +85,27 @@ def is_item_list(value: Any) -> bool:
 
 class _ByteLRU:
     """A thread-safe map of digest -> (serde type, bytes), bounded by total bytes (the oldest
-    entries go first)."""
+    entries go first), with the msgpack items' bytes also by digest alone, so a whole msgpack
+    list is joined in one C-level pass (:meth:`msgpack_bytes`)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._data: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._msgpack: dict[bytes, bytes] = {}
         self._size = 0
         self._lock = threading.Lock()
 
     def get(self, digest: bytes) -> tuple[str, bytes] | None:
         # No reordering on reads (a dict read is atomic): eviction is first in, first out.
         return self._data.get(digest)
+
+    def msgpack_bytes(self, digests: list[bytes]) -> bytes | None:
+        """The bytes of ``digests``' items joined, when every one is a remembered msgpack item;
+        else None."""
+        try:
+            return b"".join(map(self._msgpack.__getitem__, digests))
+        except KeyError:
+            return None
 
     def put(self, digest: bytes, item: tuple[str, bytes]) -> None:
         size = len(item[1]) + 64
@@ -105,7 +115,10 @@ class _ByteLRU:
             if digest in self._data:
                 return
             self._data[digest] = item
+            if item[0] == "msgpack":
+                self._msgpack[digest] = item[1]
             self._size += size
             while self._size > self.max_bytes:
-                _, old = self._data.popitem(last=False)
+                gone, old = self._data.popitem(last=False)
+                self._msgpack.pop(gone, None)
                 self._size -= len(old[1]) + 64

@@ -308,6 +308,9 @@ class ListState:
         Raises :class:`MissingItems` when some item is in neither (fetch them and retry).
         """
         split = split_digests(digests)
+        joined = self.items.msgpack_bytes(split)
+        if joined is not None:  # the common case, in one pass
+            return self.serde.loads_typed(("msgpack", msgpack_array_header(len(split)) + joined))
         remembered = self.items.get
         typed = [remembered(d) for d in split]
         if None in typed:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from test_lists import Thread, _count
 
 from langgraph_kvcache.checkpoint import compress
-from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE
+from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE, _ByteLRU
 from langgraph_kvcache.checkpoint.schema import checkpoints, items, writes
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
 
@@ -104,3 +104,15 @@ def test_versions_are_short_and_follow_older_long_ones(saver: Any) -> None:
     assert len(new) == 29 and new > old and new.startswith(f"{42:016}.")
     assert saver.get_next_version(new, None) > new
     assert saver.get_next_version(None, None) > f"{0:032}.{0.9:016}"
+
+
+def test_item_memory_joins_only_remembered_msgpack_items() -> None:
+    memory = _ByteLRU(max_bytes=3 * (64 + 10))
+    memory.put(b"a", ("msgpack", b"A" * 10))
+    memory.put(b"b", ("json", b"B" * 10))
+    memory.put(b"c", ("msgpack", b"C" * 10))
+    assert memory.msgpack_bytes([b"c", b"a", b"c"]) == b"C" * 10 + b"A" * 10 + b"C" * 10
+    assert memory.msgpack_bytes([b"a", b"b"]) is None  # not msgpack: the caller decodes each
+    memory.put(b"d", ("msgpack", b"D" * 10))  # evicts the oldest, "a"
+    assert memory.get(b"a") is None and memory.msgpack_bytes([b"a"]) is None
+    assert memory.msgpack_bytes([b"c", b"d"]) == b"C" * 10 + b"D" * 10
