@@ -23,19 +23,20 @@ NOTEBOOKS = sorted((REPO_ROOT / "examples").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
 """Longest a single cell may run (a server start on a busy 2-core machine takes ~1 minute)."""
 
-PLOTS = {"02_agentic_rag": 1}
+PLOTS = {"02_agentic_rag": 1, "05_tool_agent": 1}
 """Inline PNG figures a notebook must produce (matplotlib)."""
 
 pytestmark = pytest.mark.vllm
 
 
-def test_the_four_notebooks_are_found() -> None:
+def test_the_five_notebooks_are_found() -> None:
     names = [nb.name for nb in NOTEBOOKS]
     assert names == [
         "01_quickstart.ipynb",
         "02_agentic_rag.ipynb",
         "03_human_in_the_loop.ipynb",
         "04_fork_and_rewind.ipynb",
+        "05_tool_agent.ipynb",
     ]
 
 
