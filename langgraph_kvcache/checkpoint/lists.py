@@ -201,11 +201,10 @@ class ListState:
         }
         return PlannedList(blob_row, item_rows, state)
 
-    def _serialize(
-        self, value: list[Any], base_digests: list[bytes]
-    ) -> tuple[list[tuple[str, bytes]], int]:
-        """``value``'s items serialized (plaintext serde) and how many leading ones are known to
-        be the base's items (``base_digests``), byte for byte.
+    def _serialize(self, value: list[Any], base_digests: list[bytes]) -> tuple[list[Any], int]:
+        """``value``'s items serialized (plaintext serde), and how many leading ones are known to
+        be the base's items (``base_digests``), byte for byte; those leading entries are None
+        (the base stores them, so no row needs their bytes).
 
         An append is recognised with one serialization of the whole list, as a plain saver does:
         when it is the msgpack array header, the base's items' remembered bytes and the new
@@ -213,11 +212,10 @@ class ListState:
         the boundaries are the same). Otherwise every item is serialized on its own."""
         k = len(base_digests)
         if k and len(value) >= k and not self._encrypted:
-            old = [self.items.get(d) for d in base_digests]
-            if None not in old and all(t[0] == "msgpack" for t in old):  # type: ignore[index]
+            prefix = self.items.msgpack_bytes(base_digests)
+            if prefix is not None:
                 kind, whole = self._digest_serde.dumps_typed(value)
                 head = msgpack_array_header(len(value))
-                prefix = b"".join([t[1] for t in old])  # type: ignore[index]
                 if (
                     kind == "msgpack"
                     and whole.startswith(head)
@@ -229,7 +227,7 @@ class ListState:
                         all(t[0] == "msgpack" for t in new)
                         and whole[len(head) + len(prefix) :] == tail
                     ):
-                        return [*old, *new], k  # type: ignore[list-item]
+                        return [*([None] * k), *new], k
         return [self._digest_serde.dumps_typed(item) for item in value], 0
 
     def _item_row(
