@@ -88,9 +88,12 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
     def chat_model_params(self) -> dict[str, Any]:
         # A fresh async HTTP client per model: each async standard test runs on its own event
         # loop, and langchain-openai's shared default client cannot outlive its first loop.
+        # max_tokens: a 135M model left alone can ramble to the context limit (minutes a test
+        # on CPU); 256 tokens hold every answer and structured output the tests check.
         return {
             "base_url": f"{self._url}/v1",
             "model": self._model_name,
+            "max_tokens": 256,
             "http_async_client": httpx.AsyncClient(timeout=120.0),
         }
 
