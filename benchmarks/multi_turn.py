@@ -183,9 +183,14 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def summarize(runs: list[RunResult], late_from: int) -> dict:
+def summarize(runs: list[RunResult], late_from: int, answer_tokens: int) -> dict:
+    """Per server: TTFT and hit rate per turn, the late turns' TTFT, and ``prior_share``: the
+    cached tokens of turns 2+ over the previous turn's prompt plus answer (every answer has
+    ``answer_tokens`` tokens: the workload sets ``min_tokens``)."""
     table: dict = {}
     for run in runs:
+        prev = {(r.conversation, r.turn + 1): r.prompt_tokens + answer_tokens for r in run.turns}
+        later = [r for r in run.turns if (r.conversation, r.turn) in prev]
         per_turn = {}
         for t in sorted({r.turn for r in run.turns}):
             rows = [r for r in run.turns if r.turn == t]
@@ -201,6 +206,8 @@ def summarize(runs: list[RunResult], late_from: int) -> dict:
             "per_turn": per_turn,
             "late_p50": statistics.median(late) if late else float("nan"),
             "late_p95": _pct(late, 95) if late else float("nan"),
+            "prior_share": sum(r.cached_tokens for r in later)
+            / max(1, sum(prev[(r.conversation, r.turn)] for r in later)),
         }
     return table
 
@@ -223,6 +230,9 @@ def print_table(runs: list[RunResult], table: dict, late_from: int) -> None:
             f"  {r.name:>9}: p50 {s['late_p50']:.2f} s  p95 {s['late_p95']:.2f} s"
             f"  ({r.description})"
         )
+    print("\ncached share of the previous turn's prompt + answer (turns 2+):")
+    for r in runs:
+        print(f"  {r.name:>9}: {table[r.name]['prior_share']:.1%}")
     names = [r.name for r in runs]
     if {"vllm", "kvcache", "vllm-all"} <= set(names):
         ours, plain, full = (table[n]["late_p50"] for n in ("kvcache", "vllm", "vllm-all"))
@@ -353,7 +363,7 @@ def main() -> None:
             finally:
                 _stop(proc)
         runs.append(RunResult(name, desc, turns))
-    table = summarize(runs, args.late_from)
+    table = summarize(runs, args.late_from, args.answer_tokens)
     print_table(runs, table, args.late_from)
     for name, line in cores.items():
         print(f"  {name}: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {line}")

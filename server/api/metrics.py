@@ -22,6 +22,8 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 _HELP = {
     "lgkv_hit_blocks_total": "KV blocks loaded from a tier instead of recomputed",
+    "lgkv_hit_tails_total": "Partial tail blocks (a turn's last, partly filled block) loaded",
+    "lgkv_hit_tail_tokens_total": "Tokens loaded from partial tail blocks",
     "lgkv_miss_blocks_total": "KV blocks looked up in no tier",
     "lgkv_saved_blocks_total": "KV blocks saved from the engine into the tiers",
     "lgkv_tier_bytes": "Bytes held by each tier",

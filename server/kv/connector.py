@@ -214,7 +214,7 @@ class SessionKVConnector(KVConnectorBase_V1):
         assert self.worker is not None
         finished, errors = self.worker.collect()
         self._load_errors = errors
-        return None, finished or None
+        return self.worker.take_released() or None, finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = getattr(self, "_load_errors", set()), set()
@@ -296,9 +296,9 @@ class SessionKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        self.scheduler.request_finished(request)
+        delay = self.scheduler.request_finished(request, list(block_ids))
         self._usage.forget(request.request_id)
-        return False, None
+        return delay, None
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_work()

@@ -7,7 +7,9 @@ prefixes share blocks. Session ids never reach a path: files are named by hash o
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 from pathlib import Path
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
@@ -45,3 +47,38 @@ def key_from_path(path: Path) -> str | None:
         return None
     key = name[: -len(BLOCK_SUFFIX)]
     return key if _HEX.match(key) else None
+
+
+# ------------------------------------------------------------------------ tail blocks
+# A tail block holds the partly filled last block of a finished request. Its key is
+# ``<parent><digest:60 hex><n:4 hex>``: the key of the last full block before it (or a root
+# derived from the cache salt and LoRA when there is none), a digest of the parent and the
+# exact n token ids, and n. vLLM block hashes are at most 32 bytes (64 hex), so a key longer
+# than 64 hex characters is a tail, and the key alone says which block it extends and how
+# many tokens it holds (a restart rebuilds the tail index from the file names).
+
+TAIL_SUFFIX_HEX = 64
+"""Hex characters a tail key adds to its parent's key."""
+
+
+def tail_key(parent: str, tokens: list[int]) -> str:
+    """The key of a tail of ``tokens`` (1 to 65535 token ids) after block ``parent``."""
+    n = len(tokens)
+    if not 0 < n < 1 << 16:
+        raise ValueError(f"a tail holds 1 to 65535 tokens, got {n}")
+    data = b"lgkv-tail\0" + bytes.fromhex(parent) + struct.pack(f"<{n}I", *tokens)
+    return f"{parent}{hashlib.sha256(data).hexdigest()[:60]}{n:04x}"
+
+
+def parse_tail_key(key: str) -> tuple[str, int] | None:
+    """(parent key, token count) of a tail key; None for a full block's key."""
+    if len(key) <= TAIL_SUFFIX_HEX:
+        return None
+    return key[:-TAIL_SUFFIX_HEX], int(key[-4:], 16)
+
+
+def tail_root(cache_salt: str | None, lora: str | None) -> str:
+    """The parent of a tail in a request's first block: tenants (cache salt) and adapters
+    never share it, as vLLM mixes both into the first block's hash."""
+    data = f"lgkv-tail-root\0{cache_salt or ''}\0{lora or ''}".encode()
+    return hashlib.sha256(data).hexdigest()

@@ -65,10 +65,13 @@ class StepPlan:
     """Prefetch: (key, slot) disk -> RAM reads, on the background thread."""
     removes: list[str] = field(default_factory=list)
     """Disk files to delete (evictions, drops), queued behind earlier writes."""
+    release: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM kept for this step's tail saves: report them in
+    ``finished_sending`` once the saves are copied."""
 
     def is_empty(self) -> bool:
         """True when the worker has nothing to do."""
-        return not (self.loads or self.saves or self.reads or self.removes)
+        return not (self.loads or self.saves or self.reads or self.removes or self.release)
 
 
 @dataclass

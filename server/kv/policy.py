@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from server.kv.keys import parse_tail_key
 from server.kv.registry import SessionRow
 
 SessionKey = tuple[str, str]
@@ -105,6 +106,10 @@ class EvictionPolicy:
             self._sessions[s].managed for s in self._refs.get(key, ()) if s in self._sessions
         )
 
+    def is_referenced(self, key: str) -> bool:
+        """True if a known session lists the block."""
+        return any(s in self._sessions for s in self._refs.get(key, ()))
+
     def is_pinned(self, key: str) -> bool:
         """True if a pinned session references the block."""
         return any(self._sessions[s].pinned for s in self._refs.get(key, ()) if s in self._sessions)
@@ -120,17 +125,22 @@ class EvictionPolicy:
     def order(self, candidates: list[tuple[str, float]], *, allow_pinned: bool) -> list[str]:
         """Keys of ``candidates`` (key, last access) in eviction order, first victim first.
 
-        Pinned blocks come last when ``allow_pinned`` and are left out otherwise."""
+        Pinned blocks come last when ``allow_pinned`` and are left out otherwise. Among
+        blocks of equal outlook (one session's), its tail goes first: the full blocks before
+        it are worth more, and the tail is useless without them."""
         now = time.time()
-        ranked: list[tuple[int, int, float, float, str]] = []
+        ranked: list[tuple[int, int, float, int, float, str]] = []
         for key, last_access in candidates:
             pinned = self.is_pinned(key)
             if pinned and not allow_pinned:
                 continue
             lateness = self.lateness(key, last_access, now)
-            ranked.append((int(pinned), int(self.is_managed(key)), -lateness, last_access, key))
+            whole = int(parse_tail_key(key) is None)
+            ranked.append(
+                (int(pinned), int(self.is_managed(key)), -lateness, whole, last_access, key)
+            )
         ranked.sort()
-        return [r[4] for r in ranked]
+        return [r[5] for r in ranked]
 
     def _outlook(self, s: SessionRow) -> SessionOutlook:
         gap = max(s.gap_mean if s.gap_count > 0 else self.default_gap_s, self.min_gap_s)

@@ -7,13 +7,15 @@ Runs in vLLM's scheduler (engine-core process). No torch: it sees requests only 
 
 Verbs, per request:
 - ``get_num_new_matched_tokens``: longest run of the request's next full blocks found in RAM
-  or on disk (never the whole prompt: vLLM must compute at least one token). All-RAM hits
-  load synchronously; any disk block makes the load asynchronous.
+  or on disk, plus the tail block that continues them (:mod:`server.kv.tails`: the count is
+  then not block-aligned); never the whole prompt (vLLM must compute at least one token).
+  All-RAM hits load synchronously; any disk block makes the load asynchronous.
 - ``update_state_after_alloc``: turns the lookup into a :class:`LoadJob` on the blocks vLLM
   allocated, locking the RAM slots read.
 - ``build_plan`` (each step): saves of every block a scheduled request completes this step,
   with RAM slots and disk space reserved (evicting by :class:`EvictionPolicy`).
-- ``request_finished``: queues the session's turn for the registry (block list, tokens, gap).
+- ``request_finished``: queues the session's turn for the registry (block list, tokens, gap)
+  and its tail block's save (vLLM keeps the blocks until the worker has copied it).
 
 None of these waits on anything: every registry read and write runs on the registry thread
 (:class:`RegistrySync`; its events are applied once a step, at the step's first call), every
@@ -23,6 +25,7 @@ answers vLLM None, "not yet"), and control requests are held by :class:`ControlO
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,6 +47,7 @@ from server.kv.redis_lookups import RedisLookups
 from server.kv.registry import Registry
 from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.settings import ConnectorSettings
+from server.kv.tails import TailBook, TailHit
 from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,8 @@ class _Tracked:
     saved_upto: int = 0
     session: tuple[str, str] | None = None
     op: str | None = None
+    loading: bool = False
+    """An asynchronous load of the request is (or may be) in flight: no tail save."""
 
 
 @dataclass
@@ -69,6 +75,7 @@ class _Lookup:
     keys: list[str]
     tiers: list[str]
     misses: int
+    tail: TailHit | None = None
 
 
 class SessionKVScheduler:
@@ -120,10 +127,12 @@ class SessionKVScheduler:
         )
         self._step_open = False
         """The registry's events were applied in this step already."""
+        self.tails = TailBook(block_size)
         self.sync.write("block tier reset", lambda reg: reg.reset_block_tiers())
         for key, size in sorted(disk_files.items()):
             if size != file_bytes or not self.index.add_disk_file(key):
                 self.index.removes.append(key)  # wrong size or over budget
+        self.tails.learn(*self.index.blocks)  # tail files found at start
         self.flush(force=True)
 
     # ------------------------------------------------------------------ lookups
@@ -160,10 +169,12 @@ class SessionKVScheduler:
                 keys.append(key)
                 tiers.append("redis")
         misses = max(0, end - start - len(keys))
-        self._lookups[request.request_id] = _Lookup(start, keys, tiers, misses)
-        if not keys:
+        tail = self.tails.find(request, start + len(keys), self.index.tier_of)
+        self._lookups[request.request_id] = _Lookup(start, keys, tiers, misses, tail)
+        if not keys and tail is None:
             return 0, False
-        return len(keys) * self.block_size, any(t != "ram" for t in tiers)
+        is_async = any(t != "ram" for t in tiers) or (tail is not None and tail.tier != "ram")
+        return len(keys) * self.block_size + (tail.tokens if tail else 0), is_async
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
@@ -174,9 +185,16 @@ class SessionKVScheduler:
             return
         count = num_external_tokens // self.block_size
         self.publisher.count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
-        if count == 0:
-            return
         keys, tiers = lookup.keys[:count], lookup.tiers[:count]
+        # vLLM takes a lookup whole or cut to whole blocks: a remainder is the tail's part
+        tail = lookup.tail if num_external_tokens % self.block_size else None
+        if tail is not None:
+            keys, tiers = [*keys, tail.key], [*tiers, tail.tier]
+            self.publisher.count(
+                "lgkv_hit_tail_tokens_total", num_external_tokens % self.block_size
+            )
+        if not keys:
+            return
         unslotted = [
             k
             for k, t in zip(keys, tiers, strict=True)
@@ -186,7 +204,8 @@ class SessionKVScheduler:
         items: list[LoadItem] = []
         for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
             block_id = block_ids[lookup.start + offset]
-            self.publisher.count(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 1)
+            kind = "tail" if tail is not None and key == tail.key else "block"
+            self.publisher.count(f'lgkv_hit_{kind}s_total{{tier="{tier}"}}', 1)
             self.index.touch(key)
             if tier == "ram":
                 ram = self.index.blocks[key]
@@ -203,9 +222,10 @@ class SessionKVScheduler:
             items.append(LoadItem(block_id, key, slot, tier))
         for slot in promote:  # not needed after all
             self.index.free_slots.append(slot)
-        self._plan.loads.append(
-            LoadJob(request.request_id, tuple(items), any(t != "ram" for t in tiers))
-        )
+        is_async = any(t != "ram" for t in tiers)
+        self._plan.loads.append(LoadJob(request.request_id, tuple(items), is_async))
+        if is_async:
+            self._track(request).loading = True
 
     # -------------------------------------------------------------------- plans
 
@@ -225,6 +245,8 @@ class SessionKVScheduler:
                 continue
             if new_ids is not None:
                 tracked.block_ids = list(new_ids) if replace else tracked.block_ids + new_ids
+            if num_scheduled_tokens.get(req_id, 0):
+                tracked.loading = False  # it computes: any load it had is done
             if tracked.op is not None or not self.index.num_slots:
                 continue
             done = num_computed + num_scheduled_tokens.get(req_id, 0)
@@ -239,6 +261,9 @@ class SessionKVScheduler:
             tracked.saved_upto = max(tracked.saved_upto, full)
         if wanted:
             self._plan_saves(wanted)
+        if self.tails.has_pending():
+            save = functools.partial(self._plan_saves, to_redis=False)
+            self.tails.plan(self.index, save, self._plan.release)
         if not scheduled and self._plan.is_empty() and not self.index.removes:
             # Nothing runs: the engine only polls for loads or writes to finish. Yield the
             # CPU (and the GIL) to the I/O thread instead of spinning.
@@ -248,13 +273,14 @@ class SessionKVScheduler:
         self._removing.update(plan.removes)
         return plan
 
-    def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
+    def _plan_saves(self, wanted: list[tuple[int, str]], *, to_redis: bool = True) -> None:
         keys = {k for _, k in wanted}
         slots = self.index.alloc_slots(len(wanted), protect=keys)
+        redis = to_redis and self.redis is not None
         for (block_id, key), slot in zip(wanted, slots, strict=False):
             to_disk = self.index.reserve_disk(protect=keys)
             self.index.new_block(key, slot, to_disk)
-            self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, self.redis is not None))
+            self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, redis))
         if len(slots) < len(wanted):
             log.warning(
                 "RAM tier full of locked blocks: %d blocks not saved", len(wanted) - len(slots)
@@ -298,26 +324,35 @@ class SessionKVScheduler:
 
     # ---------------------------------------------------------------- sessions
 
-    def request_finished(self, request: Any) -> None:
-        """Queue the session's turn for the registry; forget the request."""
+    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
+        """Queue the session's turn for the registry and the save of its tail block (of
+        paged ``block_ids``); forget the request. True: the tail's save is queued, so vLLM must
+        keep the blocks until the worker reports the request in ``finished_sending``."""
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._ops.forget(request.request_id)
         if self.redis_lookups is not None:
             self.redis_lookups.forget(request.request_id)
         if tracked is None or tracked.op is not None or tracked.session is None:
-            return
+            return False
         tenant, sid = tracked.session
-        num_blocks = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        num_blocks = min(len(request.block_hashes), computed // self.block_size)
         keys = [block_key(h) for h in request.block_hashes[:num_blocks]]
+        ram_on = bool(self.index.num_slots) and not tracked.loading
+        tail = self.tails.on_finished(request, block_ids, computed, ram_on)
+        keys += [tail] if tail is not None else []
         now = time.time()
+        old = self.policy.keys_of(tenant, sid)
         self.policy.note_turn(tenant, sid, keys, now)
+        self.tails.supersede(old, keys, self.policy, self.index)
         tokens, ttl = request.num_computed_tokens, self.settings.default_ttl_s
         self.sync.write(
             f"turn of session {sid!r}",
             lambda reg: reg.record_turn(tenant, sid, keys, tokens, default_ttl_s=ttl, now=now),
         )
         self.flush()
+        return tail is not None
 
     def flush(self, force: bool = False) -> None:
         """Queue block locations and counters for the registry (throttled unless forced)."""

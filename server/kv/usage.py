@@ -34,7 +34,7 @@ class LoadAccounting:
         if not num_external_tokens or stats is None:
             return
         start = stats.num_local_cached_tokens // self.block_size
-        count = num_external_tokens // self.block_size
+        count = -(-num_external_tokens // self.block_size)  # a tail block counts too
         self._loads[request.request_id] = (request, list(block_ids[start : start + count]))
 
     def on_output(self, invalid_block_ids: Iterable[int], finished: Iterable[str]) -> None:

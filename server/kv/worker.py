@@ -4,8 +4,15 @@ Per step:
 - ``start_load`` (before the forward when the step has synchronous loads): RAM -> paged copies
   of every load job now; disk reads of async jobs and prefetch reads go to the I/O thread.
 - ``save`` (after the forward, from ``wait_for_save``): paged -> RAM slot copies of the blocks
-  the step completed, then the step's file removals and writes go to the I/O thread (a write
-  takes a private copy of the slot, so the slot can be reused at once).
+  the step completed and of finished requests' tail blocks, then the step's file removals and
+  writes go to the I/O thread (a write takes a private copy of the slot, so the slot can be
+  reused at once). The requests whose tails were copied are released (``take_released``:
+  vLLM's ``finished_sending``).
+
+A tail block is loaded whole, like any block: where a token's slot lies inside a block is the
+attention backend's business (the CPU backend stores all keys of a head, then all values, in
+ISA-specific tiles), and the slots past the tail are never read: vLLM's forward writes the
+positions it computes, and attention reads only positions below the sequence length.
 - ``collect`` (from ``get_finished``): applies finished disk reads to the paged cache, reports
   requests whose async load completed, and the paged block ids whose load failed (vLLM then
   recomputes them), and returns a :class:`WorkerReport` for the scheduler side.
@@ -85,6 +92,7 @@ class SessionKVWorker:
         self._report = WorkerReport()
         self._loads: dict[str, _AsyncLoad] = {}
         self._finished_loads: set[str] = set()
+        self._released: set[str] = set()
         self._load_errors: set[int] = set()
         self._done: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._jobs = _JobQueue()
@@ -157,6 +165,7 @@ class SessionKVWorker:
             self.pool.save(self.kv, [s.block_id for s in plan.saves], [s.slot for s in plan.saves])
             self._report.saved.extend(s.key for s in plan.saves)
             self._report.save_seconds.append(time.perf_counter() - started)
+        self._released.update(plan.release)  # their blocks were copied (or not saved at all)
         for key in plan.removes:
             self._jobs.put(("remove", key))
         if self.pool is not None:
@@ -194,6 +203,11 @@ class SessionKVWorker:
         finished, self._finished_loads = self._finished_loads, set()
         errors, self._load_errors = self._load_errors, set()
         return finished, errors
+
+    def take_released(self) -> set[str]:
+        """Finished requests whose kept blocks vLLM may free now (their tails are copied)."""
+        released, self._released = self._released, set()
+        return released
 
     def take_report(self) -> WorkerReport | None:
         """The completions since the last call (None when nothing happened)."""

@@ -64,6 +64,7 @@ class Runner:
         self.results.append(
             {
                 "prompt_len": len(prompt),
+                "prompt": prompt,
                 "tokens": list(comp.token_ids),
                 "text": comp.text,
                 "logprobs": [
@@ -75,7 +76,7 @@ class Runner:
 
 
 def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from kv_engine import make_llm, settle
+    from kv_engine import make_llm, reset_cache, settle
 
     llm = make_llm(spec["engine"])
     runner = Runner(llm.get_tokenizer())
@@ -95,7 +96,7 @@ def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         prompt = runner.prompt(turn)
         if turn.get("reset"):
-            llm.reset_prefix_cache()
+            reset_cache(llm)
         out = llm.generate([{"prompt_token_ids": prompt}], runner.params(turn), use_tqdm=False)
         runner.record(turn, prompt, out[0])
     llm.llm_engine.engine_core.shutdown()
@@ -103,7 +104,7 @@ def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from kv_engine import make_async_llm
+    from kv_engine import make_async_llm, reset_cache_async
 
     from server.kv.control import SessionControl
 
@@ -118,7 +119,7 @@ async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             prompt = runner.prompt(turn)
             if turn.get("reset"):
-                await engine.reset_prefix_cache()
+                await reset_cache_async(engine)
             final = None
             async for out in engine.generate(
                 {"prompt_token_ids": prompt}, runner.params(turn), request_id=uuid.uuid4().hex

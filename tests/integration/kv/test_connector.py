@@ -98,19 +98,20 @@ def test_ram_hit_matches_cache_off(llm: Any, registry: Registry) -> None:
     before = hits(registry, "ram")
     got = turn(llm, prompt2, "A")
     same_answer(got, ref)
-    assert got.num_cached_tokens == 3 * BLOCK
+    # 3 blocks and the tail block of turn 1 (its prompt end and answer, but the last token)
+    assert got.num_cached_tokens == len(PROMPT_A) + len(first.tokens) - 1
     assert hits(registry, "ram") - before == 3
     row = registry.get_session(TENANT, "A")
-    assert row is not None and row.turns == 2 and row.num_blocks == 3
+    assert row is not None and row.turns == 2 and row.num_blocks == 4  # 3 blocks + a tail
     STATE.update(prompt2=prompt2, ref=ref)
 
 
 def test_disk_hit_after_ram_eviction(llm: Any, registry: Registry) -> None:
     turn(llm, tokens(3, RAM_BLOCKS * BLOCK + 10), "B")  # 8 new blocks push A out of RAM
     usage = registry.tier_usage(TENANT, "A")
-    assert usage["ram"].blocks == 0 and usage["disk"].blocks == 3
+    assert usage["ram"].blocks == 0 and usage["disk"].blocks == 4  # 3 blocks + a tail
     before = hits(registry, "disk")
-    got = turn(llm, STATE["prompt2"], "A")
+    got = turn(llm, STATE["prompt2"], "A")  # the same turn again: its own tail is too long
     same_answer(got, STATE["ref"])
     assert got.num_cached_tokens == 3 * BLOCK
     assert hits(registry, "disk") - before == 3
@@ -220,12 +221,12 @@ def test_prefetch_moves_session_to_ram(llm: Any, registry: Registry, kv_cache_di
     settle(llm)
     turn(llm, tokens(30, RAM_BLOCKS * BLOCK + 10), "G")  # E out of RAM
     usage = registry.tier_usage(TENANT, "E")
-    assert (usage["ram"].blocks, usage["disk"].blocks) == (0, 2)
+    assert (usage["ram"].blocks, usage["disk"].blocks) == (0, 3)  # 2 blocks + a tail
     params = SamplingParams(
         max_tokens=1, extra_args={"lgkv_op": "prefetch", "session_id": "E", "tenant": TENANT}
     )  # the request SessionControl.prefetch sends through the engine client
     llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
-    assert registry.tier_usage(TENANT, "E")["ram"].blocks == 2
+    assert registry.tier_usage(TENANT, "E")["ram"].blocks == 3
     control.update("E", TENANT, pinned=False)
     control.close()
 
@@ -233,7 +234,7 @@ def test_prefetch_moves_session_to_ram(llm: Any, registry: Registry, kv_cache_di
 def test_delete_removes_files_and_hits(llm: Any, registry: Registry, kv_cache_dir: Path) -> None:
     keys = registry.session_keys(TENANT, "A")
     control = SessionControl(kv_cache_dir)
-    assert control.delete("A", TENANT) == 3
+    assert control.delete("A", TENANT) == 4  # 3 blocks + a tail
 
     def files() -> list[str]:
         return [k for k in keys if list((kv_cache_dir / "blocks").glob(f"*/*/*/{k}.kvb"))]

@@ -42,7 +42,20 @@ def test_smollm2_second_turn_identical_from_ram_and_disk(smollm2_dir: Path, tmp_
     first, ref, hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
     assert first["text"].strip() and ref["prompt_len"] > 2 * BLOCK
     assert hit["tokens"] == ref["tokens"] and hit["text"] == ref["text"]
-    assert hit["num_cached_tokens"] >= 2 * BLOCK
+    # Turn 1's prompt and answer, but its last token (never computed), come from the tiers
+    # (its tail block too) as far as the template re-renders them token for token.
+    prior = first["prompt"] + first["tokens"]
+    same = next(
+        (i for i, (a, b) in enumerate(zip(prior, hit["prompt"], strict=False)) if a != b),
+        min(len(prior), len(hit["prompt"])),
+    )
+    kept = min(same, len(prior) - 1)
+    assert hit["num_cached_tokens"] == (kept if kept == len(prior) - 1 else kept // BLOCK * BLOCK)
+    print(
+        f"\nSmolLM2 chat: turn 2 cached {hit['num_cached_tokens']} of the {len(prior)} tokens "
+        f"of turn 1's prompt and answer ({hit['num_cached_tokens'] / len(prior):.1%}); the "
+        f"template re-renders {same} of them"
+    )
     # A restarted engine (same cache folder) serves the same turn from disk, same answer.
     again = run_engine_script({"engine": engine, "turns": [turns[2]]}, tmp_path)[0]
     assert again["tokens"] == ref["tokens"] and again["num_cached_tokens"] >= 2 * BLOCK
@@ -70,7 +83,7 @@ def test_prefetch_through_async_engine_in_another_process(
     ]
     spec = {"engine": engine, "async": True, "turns": turns}
     results = run_engine_script(spec, tmp_path, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    assert results[2] == {"blocks": 3, "ram_blocks": 3}
+    assert results[2] == {"blocks": 4, "ram_blocks": 4}  # 3 blocks + a tail
     assert results[3]["num_cached_tokens"] == 3 * BLOCK
     reg = Registry(cache / "sessions.sqlite3")
     stats = reg.stats()
