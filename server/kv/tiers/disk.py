@@ -162,7 +162,7 @@ class DiskStore:
                 magic, key_len, length, crc = _HEAD.unpack(head)
                 if magic != _MAGIC:
                     raise BlockFileError(f"{path}: not a block file")
-                if f.read(key_len) != key.encode():
+                if f.read(key_len) != header_key_id(key):
                     raise BlockFileError(f"{path}: holds another block")
                 if length != dest.nbytes:
                     raise BlockFileError(f"{path}: {length} bytes, expected {dest.nbytes}")
@@ -249,9 +249,22 @@ class DiskStore:
             return False
 
 
+KEY_ID_CHARS = 64
+"""Characters of the key id in every block header: all block files of a layout are one size."""
+
+
+def header_key_id(key: str) -> bytes:
+    """The key as the header names it: a full block's key (64 hex characters) as is, a longer
+    tail key (:func:`server.kv.keys.tail_key`) by the SHA-256 of it, so a tail's file is the
+    same size as a full block's and budgets, start-up checks and Redis values stay uniform."""
+    if len(key) <= KEY_ID_CHARS:
+        return key.encode()
+    return hashlib.sha256(key.encode()).hexdigest().encode()
+
+
 def block_file_bytes(manifest: Manifest) -> int:
-    """Size on disk of one block file of ``manifest`` (header + key + payload)."""
-    return _HEAD.size + 64 + manifest.block_bytes
+    """Size on disk of one block file of ``manifest`` (header + key id + payload)."""
+    return _HEAD.size + KEY_ID_CHARS + manifest.block_bytes
 
 
 def _create(path: Path):  # type: ignore[no-untyped-def]
@@ -266,7 +279,7 @@ def _create(path: Path):  # type: ignore[no-untyped-def]
 
 def block_header(key: str, data: memoryview) -> bytes:
     """The header stored in front of a block's bytes (magic, key, length, CRC32)."""
-    kb = key.encode()
+    kb = header_key_id(key)
     return _HEAD.pack(_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
 
 
@@ -279,7 +292,7 @@ def parse_block(raw: bytes, key: str, out: memoryview, where: str) -> None:
     if magic != _MAGIC:
         raise BlockFileError(f"{where}: not a block")
     start = _HEAD.size + key_len
-    if raw[_HEAD.size : start] != key.encode():
+    if raw[_HEAD.size : start] != header_key_id(key):
         raise BlockFileError(f"{where}: holds another block")
     if length != dest.nbytes or len(raw) != start + length:
         raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from server.kv.keys import tail_key
 from server.kv.tiers.disk import BlockFileError, DiskStore, Manifest, remove_block_files
 
 MANIFEST = Manifest(
@@ -92,3 +93,22 @@ def test_wrong_payload_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected 64"):
         store.write(KEY, memoryview(bytes(10)))
     assert store.scan() == {}
+
+
+def test_a_tail_file_is_a_block_file_of_the_same_size(tmp_path: Path) -> None:
+    """A tail's key is longer than a full block's; its file is the same size (the header names
+    it by a 64-character id), so a restart keeps it and budgets count it as one block."""
+    tail = tail_key(KEY, [5, 6, 7])
+    store = DiskStore(tmp_path, MANIFEST)
+    store.write(KEY, payload(7))
+    store.write(tail, payload(8))
+    assert store.path(tail).stat().st_size == store.path(KEY).stat().st_size == store.file_bytes
+    again = DiskStore(tmp_path, MANIFEST)  # a restart: the start-up scan checks sizes
+    assert set(again.scan()) == {KEY, tail}
+    out = bytearray(64)
+    again.read_into(tail, memoryview(out))
+    assert bytes(out) == bytes(payload(8))
+    other = tail_key(KEY, [5, 6, 8])
+    again.path(other).write_bytes(again.path(tail).read_bytes())  # right size, wrong tail
+    with pytest.raises(BlockFileError, match="another block"):
+        again.read_into(other, memoryview(bytearray(64)))
