@@ -172,7 +172,7 @@ class Session:
     num_tokens: int
     """Tokens of the conversation prefix whose KV the session holds."""
     num_blocks: int
-    """KV blocks the session references."""
+    """KV blocks the session references, its partly filled last block (tail) included."""
     turns: int
     """Requests that have named this session."""
     created_at: float
