@@ -72,8 +72,9 @@ def same_answer(got: Turn, ref: Turn) -> None:
     assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-3)
 
 
-def hits(registry: Registry, tier: str) -> float:
-    return registry.stats().get(f'lgkv_hit_blocks_total{{tier="{tier}"}}', 0.0)
+def hits(registry: Registry, tier: str, kind: str = "blocks") -> float:
+    """``lgkv_hit_<kind>_total`` of ``tier``: full ``blocks`` or partial ``tails`` loaded."""
+    return registry.stats().get(f'lgkv_hit_{kind}_total{{tier="{tier}"}}', 0.0)
 
 
 def block_files(cache_dir: Path) -> list[Path]:

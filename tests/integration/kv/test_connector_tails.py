@@ -21,10 +21,6 @@ from server.kv.registry import Registry
 pytestmark = pytest.mark.vllm
 
 
-def tail_hits(registry: Registry, tier: str) -> float:
-    return registry.stats().get(f'lgkv_hit_tails_total{{tier="{tier}"}}', 0.0)
-
-
 def share(cached: int, prompt: list[int], answer: list[int], label: str) -> float:
     prior = len(prompt) + len(answer)
     value = cached / prior
@@ -37,11 +33,11 @@ def test_next_turn_reuses_prompt_and_answer_from_ram(llm: Any, registry: Registr
     first = turn(llm, p1, "tail-ram")
     p2 = p1 + first.tokens + tokens(102, 30)
     ref = turn(llm, p2, None, cache=False)
-    before = (hits(registry, "ram"), tail_hits(registry, "ram"))
+    before = (hits(registry, "ram"), hits(registry, "ram", "tails"))
     got = turn(llm, p2, "tail-ram")
     same_answer(got, ref)
     assert got.num_cached_tokens == len(p1) + len(first.tokens) - 1  # all but the last token
-    assert (hits(registry, "ram") - before[0], tail_hits(registry, "ram") - before[1]) == (2, 1)
+    assert (hits(registry, "ram") - before[0], hits(registry, "ram", "tails") - before[1]) == (2, 1)
     assert share(got.num_cached_tokens, p1, first.tokens, "RAM") >= 0.99
     keys = registry.session_keys(TENANT, "tail-ram")
     tails = [k for k in keys if parse_tail_key(k)]
@@ -57,11 +53,11 @@ def test_next_turn_reuses_tail_from_disk(llm: Any, registry: Registry) -> None:
     assert registry.tier_usage(TENANT, "tail-disk")["disk"].blocks == 4  # 3 blocks + the tail
     p2 = p1 + first.tokens + tokens(113, 20)
     ref = turn(llm, p2, None, cache=False)
-    before = tail_hits(registry, "disk")
+    before = hits(registry, "disk", "tails")
     got = turn(llm, p2, "tail-disk")
     same_answer(got, ref)
     assert got.num_cached_tokens == len(p1) + len(first.tokens) - 1
-    assert tail_hits(registry, "disk") - before == 1
+    assert hits(registry, "disk", "tails") - before == 1
     assert share(got.num_cached_tokens, p1, first.tokens, "disk") >= 0.99
 
 
@@ -80,7 +76,7 @@ def test_tail_of_another_prompt_is_not_used(llm: Any, registry: Registry) -> Non
     first = turn(llm, p1, "tail-other")
     p2 = [*p1[:-1], p1[-1] + 1, *first.tokens]  # differs inside the tail
     ref = turn(llm, p2, None, cache=False)
-    before = tail_hits(registry, "ram")
+    before = hits(registry, "ram", "tails")
     got = turn(llm, p2, "tail-other")
     same_answer(got, ref)
-    assert got.num_cached_tokens == BLOCK and tail_hits(registry, "ram") == before
+    assert got.num_cached_tokens == BLOCK and hits(registry, "ram", "tails") == before
