@@ -19,6 +19,14 @@ if [ -z "$engine" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then engine=gpu; else engine=cpu; fi
 fi
 log() { echo "[setup] $*" >&2; }
+# One setup at a time per cache folder: a second `make` (or a parallel job) waits here instead
+# of deleting or half-installing the venv the first one is building.
+mkdir -p "$cache"
+exec 9>"$cache/setup.lock"
+if ! flock -n 9; then
+  log "another setup is running in $cache; waiting for it"
+  flock 9
+fi
 
 if [ ! -f "$venv/.complete" ]; then
   log "creating $venv (engine: $engine); the first time takes about 5 minutes"
