@@ -21,20 +21,36 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 _HELP = {
-    "lgkv_hit_blocks_total": "KV blocks loaded from a tier instead of recomputed",
-    "lgkv_hit_tails_total": "Partial tail blocks (a turn's last, partly filled block) loaded",
-    "lgkv_hit_tail_tokens_total": "Tokens loaded from partial tail blocks",
-    "lgkv_miss_blocks_total": "KV blocks looked up in no tier",
-    "lgkv_saved_blocks_total": "KV blocks saved from the engine into the tiers",
-    "lgkv_tier_bytes": "Bytes held by each tier",
-    "lgkv_tier_blocks": "Blocks held by each tier",
-    "lgkv_load_seconds_sum": "Seconds spent loading KV blocks",
-    "lgkv_load_seconds_count": "KV load operations",
-    "lgkv_save_seconds_sum": "Seconds spent saving KV blocks",
-    "lgkv_save_seconds_count": "KV save operations",
-    "lgkv_evicted_blocks_total": "Blocks evicted from each tier",
+    "lgkv_hit_blocks": "KV blocks loaded from a tier instead of recomputed, by tier",
+    "lgkv_hit_tails": "Partial tail blocks (a turn's last, partly filled block) loaded, by tier",
+    "lgkv_hit_tail_tokens": "Tokens loaded from partial tail blocks, by tier",
+    "lgkv_miss_blocks": "KV blocks looked up in no tier (computed by prefill)",
+    "lgkv_saved_blocks": "KV blocks saved from the engine into the tiers",
+    "lgkv_evicted_blocks": "Blocks evicted from each tier",
+    "lgkv_tier_bytes": "Bytes each tier holds now (stored, i.e. compressed, bytes)",
+    "lgkv_tier_blocks": "Blocks each tier holds now",
+    "lgkv_load_seconds": "Seconds spent loading KV blocks from the tiers, per load",
+    "lgkv_save_seconds": "Seconds spent saving KV blocks to the tiers, per save",
+    "lgkv_kv_compression_ratio": "Engine bytes per stored byte of a block (--kv-offload-dtype)",
     "lgkv_sessions": "Sessions in the registry",
 }
+"""Help text per metric family; every sample ``metrics()`` returns belongs to one of these."""
+
+_SUMMARY_SUFFIXES = ("_sum", "_count")
+
+
+def family_of(name: str) -> tuple[str, str]:
+    """The Prometheus family and type of a sample name.
+
+    ``*_total`` samples are counters of the family without the suffix, ``*_seconds_sum`` and
+    ``*_seconds_count`` the two samples of a summary, anything else a gauge.
+    """
+    if name.endswith("_total"):
+        return name[: -len("_total")], "counter"
+    for suffix in _SUMMARY_SUFFIXES:
+        if name.endswith("_seconds" + suffix):
+            return name[: -len(suffix)], "summary"
+    return name, "gauge"
 
 
 def parse_sample(key: str) -> tuple[str, dict[str, str]]:
@@ -65,10 +81,11 @@ class SessionMetricsCollector(Collector):
             except ValueError:
                 log.warning("skipping bad metric sample %r", key)
                 continue
-            family = families.get(name)
+            fname, kind = family_of(name)
+            family = families.get(fname)
             if family is None:
-                family = Metric(name, _HELP.get(name, name), "untyped")
-                families[name] = family
+                family = Metric(fname, _HELP.get(fname, fname), kind)
+                families[fname] = family
             family.add_sample(name, labels, float(value))
         yield from families.values()
 

@@ -50,6 +50,10 @@ def test_health_and_metrics(lgkv_server: ServerProcess) -> None:
     assert "vllm:" in text  # vLLM's own metrics
     assert "lgkv_sessions" in text  # ours from SessionControl.metrics()
     assert 'lgkv_hit_blocks_total{tier="ram"}' in text
+    assert "# TYPE lgkv_hit_blocks_total counter" in text
+    assert "# TYPE lgkv_tier_bytes gauge" in text
+    helps = [line.split(" ", 3) for line in text.splitlines() if line.startswith("# HELP lgkv_")]
+    assert helps and all(len(h) == 4 and h[3] != h[2].removesuffix("_total") for h in helps)
 
 
 def test_chat_completion(lgkv_server: ServerProcess) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from server.api.metrics import SessionMetricsCollector, parse_sample
+from server.api.metrics import SessionMetricsCollector, family_of, parse_sample
 from server.kv.control import SessionControl
 
 
@@ -41,6 +41,42 @@ def test_collector_exposes_every_contract_sample(tmp_path: Path) -> None:
         'lgkv_evicted_blocks_total{tier="ram"}',
     ):
         assert name in text, name
+
+
+def lgkv_families(text: str) -> dict[str, tuple[str, str]]:
+    """``{family: (type, help)}`` of the ``lgkv_`` families in a Prometheus text scrape."""
+    helps: dict[str, str] = {}
+    types: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[0] == "#" and parts[2].startswith("lgkv_"):
+            (helps if parts[1] == "HELP" else types)[parts[2]] = parts[3]
+    return {name: (types.get(name, ""), helps.get(name, "")) for name in helps | types}
+
+
+def test_family_of() -> None:
+    assert family_of("lgkv_hit_blocks_total") == ("lgkv_hit_blocks", "counter")
+    assert family_of("lgkv_load_seconds_sum") == ("lgkv_load_seconds", "summary")
+    assert family_of("lgkv_load_seconds_count") == ("lgkv_load_seconds", "summary")
+    assert family_of("lgkv_tier_bytes") == ("lgkv_tier_bytes", "gauge")
+
+
+def test_every_family_is_typed_and_explained(tmp_path: Path) -> None:
+    control = SessionControl(tmp_path)
+    try:
+        registry = CollectorRegistry()
+        registry.register(SessionMetricsCollector(control.metrics))
+        text = generate_latest(registry).decode()
+    finally:
+        control.close()
+    families = lgkv_families(text)
+    assert families["lgkv_hit_blocks_total"][0] == "counter"
+    assert families["lgkv_tier_bytes"][0] == "gauge"
+    assert families["lgkv_load_seconds"][0] == "summary"
+    for name, (kind, help_text) in families.items():
+        assert kind in {"counter", "gauge", "summary"}, (name, kind)
+        base = name.removesuffix("_total")
+        assert help_text and help_text != base, f"{name} has no help text"
 
 
 def test_a_failing_source_does_not_break_the_scrape() -> None:
