@@ -194,7 +194,8 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     """vLLM's serve namespace for ``config``, validated like ``vllm serve`` does.
 
     Raises:
-        ConfigError: a pass-through flag is unknown or invalid, or the model is missing.
+        ConfigError: a pass-through flag is unknown or invalid, the model is missing, or the
+            parallel layout is one the session KV connector refuses (pipeline parallel).
     """
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.launchers.launcher import validate_api_server_args
@@ -212,6 +213,13 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     configure_logging_from_args(args)  # vLLM's logging now (it would at engine start)...
     use_vllm_logging()  # ...so that ours, from the first line on, has its format too
     validate_parsed_serve_args(args)
+    if config.kv_offload:
+        from server.kv.ranks import ParallelismNotSupported, check_parallel
+
+        try:
+            check_parallel(args)
+        except ParallelismNotSupported as exc:
+            raise ConfigError(str(exc)) from exc
     resident, why = resident_kv_bytes(config, args.model, args.dtype, _on_cpu())
     if resident is not None:
         rest = "the KV tiers hold the rest" if config.kv_offload else "no KV tiers"

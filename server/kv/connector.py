@@ -9,7 +9,12 @@ translates vLLM's objects into the plain ones those classes take.
 
 The connector is a best-effort cache: a block that cannot be loaded is recomputed, so it sets
 ``kv_load_failure_policy="recompute"`` on the transfer config (vLLM's default would fail the
-request). It supports one worker (tensor_parallel_size=1) and one KV cache group.
+request). It supports one KV cache group and tensor parallelism (``--tensor-parallel-size``):
+the scheduler side stays one and plans for every rank; each rank's worker moves its own
+shard of heads (its RAM pool holds its share of every slot, its own block files and Redis
+keys) and reports with its rank; :class:`~server.kv.ranks.RankTally` counts an event done once
+every rank reported it. The manifest records the TP size, so blocks written with another TP
+size are never read. Pipeline and context parallelism are refused (:func:`check_parallel`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.kv.metadata import StepPlan, WorkerReport
+from server.kv.ranks import RankTally, check_parallel
 from server.kv.recovery import DiskSpace, check_budgets, forget_unregistered_files
 from server.kv.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
@@ -62,19 +68,28 @@ class SessionKVConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class SessionKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's :class:`WorkerReport`, as vLLM ships it worker -> scheduler."""
+    """One step's :class:`WorkerReport` of each rank, as vLLM ships them worker -> scheduler
+    (vLLM's ``KVOutputAggregator`` calls ``aggregate`` to gather the ranks' metadata)."""
 
-    report: WorkerReport
+    reports: tuple[WorkerReport, ...]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SessionKVWorkerMetadata)
-        return SessionKVWorkerMetadata(self.report.merge(other.report))
+        return SessionKVWorkerMetadata(self.reports + other.reports)
+
+
+def _tp_rank() -> int:
+    """This worker process's tensor-parallel rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def build_manifest(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
 ) -> Manifest:
-    """The layout both sides agree on, derived from vLLM's KV cache config alone."""
+    """The layout both sides agree on, derived from vLLM's KV cache config alone (the spec
+    describes one rank's shard: vLLM divides the KV heads between tensor-parallel ranks)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -96,6 +111,7 @@ def build_manifest(
         hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
         offload_dtype=settings.offload_dtype,
         kv_heads=int(getattr(spec, "num_kv_heads", 1)),  # where int8/fp8 scales go
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )
 
 
@@ -117,8 +133,8 @@ class SessionKVConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         use_vllm_logging()  # this may be a fresh engine process: our lines in vLLM's format
-        if vllm_config.parallel_config.world_size != 1:
-            raise ValueError("SessionKVConnector supports tensor/pipeline parallel size 1 only")
+        tp_size = check_parallel(vllm_config.parallel_config)
+        rank = _tp_rank() if role != KVConnectorRole.SCHEDULER and tp_size > 1 else None
         self.settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
@@ -131,37 +147,44 @@ class SessionKVConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         manifest = build_manifest(vllm_config, kv_cache_config, self.settings)
         self._num_blocks = kv_cache_config.num_blocks
+        # Budgets count a block over every rank; each rank's pool holds its share of a slot.
+        block_bytes = manifest.total_block_bytes
         disk_on = check_budgets(
             self.settings.ram_bytes,
             self.settings.disk_bytes,
-            manifest.block_bytes,
+            block_bytes,
             block_file_bytes(manifest),
             warn=role == KVConnectorRole.SCHEDULER,
         )
-        store = DiskStore(self.settings.disk_dir, manifest) if disk_on else None
+        store = DiskStore(self.settings.disk_dir, manifest, rank) if disk_on else None
         redis = (
-            RedisStore(self.settings.redis_url, manifest, ttl_s=self.settings.redis_ttl_s)
+            RedisStore(
+                self.settings.redis_url, manifest, ttl_s=self.settings.redis_ttl_s, rank=rank
+            )
             if self.settings.redis_url
             else None
         )
-        num_slots = self.settings.ram_bytes // manifest.block_bytes
+        num_slots = self.settings.ram_bytes // block_bytes
         self.scheduler: SessionKVScheduler | None = None
         self.worker: SessionKVWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SessionKVScheduler(
                 self.settings,
                 block_size=manifest.block_size,
-                block_bytes=manifest.block_bytes,
-                file_bytes=store.file_bytes if store else manifest.block_bytes,
+                block_bytes=block_bytes,
+                file_bytes=store.file_bytes if store else block_bytes,
                 disk_files=_files_at_start(store, self.settings),
                 redis=redis,
                 compression_ratio=manifest.block_format.ratio,
             )
             log.info(
-                "SessionKVConnector: %d RAM slots of %d bytes (%s), disk %s (%d bytes budget)",
+                "SessionKVConnector: %d RAM slots of %d bytes (%s, %d tensor-parallel rank(s) "
+                "of %d bytes), disk %s (%d bytes budget)",
                 num_slots,
-                manifest.block_bytes,
+                block_bytes,
                 manifest.offload_dtype,
+                tp_size,
+                manifest.block_bytes,
                 store.root if store else "off",
                 self.settings.disk_bytes,
             )
@@ -173,7 +196,9 @@ class SessionKVConnector(KVConnectorBase_V1):
                 store=store,
                 redis=redis,
                 block_format=manifest.block_format,
+                rank=rank or 0,
             )
+        self._tally = RankTally(tp_size)
         self._usage = LoadAccounting(manifest.block_size)
         self._disk_space: DiskSpace | None = None
         if self.scheduler is not None and store is not None:
@@ -224,7 +249,7 @@ class SessionKVConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None
         report = self.worker.take_report()
-        return SessionKVWorkerMetadata(report) if report is not None else None
+        return SessionKVWorkerMetadata((report,)) if report is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -281,7 +306,8 @@ class SessionKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        report = meta.report if isinstance(meta, SessionKVWorkerMetadata) else WorkerReport()
+        reports = meta.reports if isinstance(meta, SessionKVWorkerMetadata) else ()
+        report = self._tally.combine(reports) if reports else WorkerReport()
         self.scheduler.on_report(report)
         # cached_tokens counts only the blocks before a failed load (vLLM recomputes the rest)
         self._usage.on_output(

@@ -3,6 +3,10 @@
 A block is named by vLLM's own block hash (a sha256 chain over the token prefix, with
 ``cache_salt`` mixed into the first block), so a name is stable across restarts and equal
 prefixes share blocks. Session ids never reach a path: files are named by hash only.
+
+With tensor parallelism (``tp_size`` > 1) every rank holds its own shard of each block's KV
+heads, in its own file: ``<key>.r<rank>.kvb``. An engine with one rank keeps the plain
+``<key>.kvb``, so the files of earlier versions stay valid.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import struct
 from pathlib import Path
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
+_RANKED = re.compile(r"^([0-9a-f]{16,128})\.r([0-9]{1,4})$")
 
 BLOCK_SUFFIX = ".kvb"
 """File name suffix of a block file in the disk tier."""
@@ -34,19 +39,31 @@ def check_key(key: str) -> str:
     return key
 
 
-def block_path(root: Path, key: str) -> Path:
-    """Fan-out path of a block file: ``root/ab/cd/<key>.kvb`` (two 256-way levels)."""
+def block_path(root: Path, key: str, rank: int | None = None) -> Path:
+    """Fan-out path of a block file: ``root/ab/cd/<key>.kvb`` (two 256-way levels), or
+    ``<key>.r<rank>.kvb`` for tensor-parallel rank ``rank`` of a layout with several ranks."""
     check_key(key)
-    return root / key[:2] / key[2:4] / f"{key}{BLOCK_SUFFIX}"
+    name = f"{key}{BLOCK_SUFFIX}" if rank is None else f"{key}.r{rank}{BLOCK_SUFFIX}"
+    return root / key[:2] / key[2:4] / name
 
 
-def key_from_path(path: Path) -> str | None:
-    """The key of a block file path, or None for any other file (temp files, manifest)."""
+def parse_block_name(path: Path) -> tuple[str, int | None] | None:
+    """(key, rank) of a block file path (rank None for an unranked file), or None for any
+    other file (temp files, manifest)."""
     name = path.name
     if not name.endswith(BLOCK_SUFFIX):
         return None
-    key = name[: -len(BLOCK_SUFFIX)]
-    return key if _HEX.match(key) else None
+    stem = name[: -len(BLOCK_SUFFIX)]
+    if _HEX.match(stem):
+        return stem, None
+    ranked = _RANKED.match(stem)
+    return (ranked.group(1), int(ranked.group(2))) if ranked else None
+
+
+def key_from_path(path: Path) -> str | None:
+    """The key of a block file path (of any rank), or None for any other file."""
+    parsed = parse_block_name(path)
+    return parsed[0] if parsed else None
 
 
 # ------------------------------------------------------------------------ tail blocks

@@ -76,8 +76,14 @@ class StepPlan:
 
 @dataclass
 class WorkerReport:
-    """Completions the worker observed since its last report (one per step)."""
+    """Completions the worker observed since its last report (one per step).
 
+    Each tensor-parallel rank sends its own (``rank``); :class:`server.kv.ranks.RankTally`
+    turns them into one report of what every rank completed before the scheduler side
+    applies it."""
+
+    rank: int = 0
+    """The tensor-parallel rank that sent the report."""
     saved: list[str] = field(default_factory=list)
     """Keys whose RAM copy finished (now loadable from RAM)."""
     written: list[str] = field(default_factory=list)
@@ -86,6 +92,8 @@ class WorkerReport:
     """Keys whose disk write failed (disk full, I/O error)."""
     redis_written: list[str] = field(default_factory=list)
     """Keys stored in Redis."""
+    redis_failed: list[str] = field(default_factory=list)
+    """Keys whose Redis write failed (Redis down or slow: the block is not in Redis)."""
     read_ok: list[str] = field(default_factory=list)
     """Keys read from disk into their RAM slot (loads with a slot, prefetch)."""
     read_failed: list[str] = field(default_factory=list)
@@ -99,21 +107,6 @@ class WorkerReport:
     removed: list[str] = field(default_factory=list)
     """Keys whose file removal finished (removed, already absent, or failed with a warning)."""
 
-    def merge(self, other: WorkerReport) -> WorkerReport:
-        """Combine the reports of several workers (tensor-parallel ranks)."""
-        return WorkerReport(
-            saved=self.saved + other.saved,
-            written=self.written + other.written,
-            write_failed=self.write_failed + other.write_failed,
-            redis_written=self.redis_written + other.redis_written,
-            read_ok=self.read_ok + other.read_ok,
-            read_failed=self.read_failed + other.read_failed,
-            released_slots=self.released_slots + other.released_slots,
-            load_seconds=self.load_seconds + other.load_seconds,
-            save_seconds=self.save_seconds + other.save_seconds,
-            removed=self.removed + other.removed,
-        )
-
     def is_empty(self) -> bool:
         """True when nothing happened."""
         return not any(
@@ -122,6 +115,7 @@ class WorkerReport:
                 self.written,
                 self.write_failed,
                 self.redis_written,
+                self.redis_failed,
                 self.read_ok,
                 self.read_failed,
                 self.released_slots,

@@ -17,6 +17,11 @@ positions it computes, and attention reads only positions below the sequence len
   requests whose async load completed, and the paged block ids whose load failed (vLLM then
   recomputes them), and returns a :class:`WorkerReport` for the scheduler side.
 
+With tensor parallelism each rank runs its own worker over its own shard of heads: its RAM
+pool holds its share of every slot, its store and Redis tier are its rank's
+(``DiskStore(..., rank=N)``), and its reports carry its ``rank`` (the scheduler side counts
+an event done once every rank reported it: :mod:`server.kv.ranks`).
+
 One I/O thread runs disk jobs: reads first, then writes and removals in FIFO order (a removal
 planned before a write of the same key runs first). A read of a block whose write is still
 queued is served from that write's buffer. Any disk error is a miss plus a warning, never an
@@ -79,7 +84,10 @@ class SessionKVWorker:
         store: DiskStore | None,
         redis: RedisStore | None = None,
         block_format: BlockFormat | None = None,
+        rank: int = 0,
     ) -> None:
+        self.rank = rank
+        """This worker's tensor-parallel rank (0 without tensor parallelism)."""
         self.num_slots = num_slots
         self.layers = layers
         self.layer_block_bytes = layer_block_bytes
@@ -89,7 +97,7 @@ class SessionKVWorker:
         self.codec: BlockCodec | None = None
         self.pool: RamPool | None = None
         self.kv: list[torch.Tensor] = []
-        self._report = WorkerReport()
+        self._report = WorkerReport(rank=rank)
         self._loads: dict[str, _AsyncLoad] = {}
         self._finished_loads: set[str] = set()
         self._released: set[str] = set()
@@ -198,6 +206,8 @@ class SessionKVWorker:
                 self._report.write_failed.append(payload)  # type: ignore[arg-type]
             elif kind == "redis_written":
                 self._report.redis_written.append(payload)  # type: ignore[arg-type]
+            elif kind == "redis_failed":
+                self._report.redis_failed.append(payload)  # type: ignore[arg-type]
             elif kind == "removed":
                 self._report.removed.append(payload)  # type: ignore[arg-type]
         finished, self._finished_loads = self._finished_loads, set()
@@ -211,7 +221,7 @@ class SessionKVWorker:
 
     def take_report(self) -> WorkerReport | None:
         """The completions since the last call (None when nothing happened)."""
-        report, self._report = self._report, WorkerReport()
+        report, self._report = self._report, WorkerReport(rank=self.rank)
         return None if report.is_empty() else report
 
     def shutdown(self) -> None:
@@ -290,6 +300,7 @@ class SessionKVWorker:
                 self._done.put(("redis_written", key))
             except OSError as e:
                 log.debug("KV block %s not written to redis: %s", key[:16], e)
+                self._done.put(("redis_failed", key))
         elif kind == "write" and store is not None:
             key, data = payload  # type: ignore[misc]
             started = time.perf_counter()

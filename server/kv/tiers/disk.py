@@ -5,10 +5,17 @@ Layout under ``disk_dir``::
     <fingerprint>/manifest.json          model, weights, dtype, block size, layers, hash scheme,
                                          stored format (``--kv-offload-dtype``)
     <fingerprint>/ab/cd/<key>.kvb        header + raw block bytes
+    <fingerprint>/ab/cd/<key>.r<N>.kvb   the same, of tensor-parallel rank N (``tp_size`` > 1)
 
 The fingerprint is a hash of the manifest, so a restart with the same model reuses the files
-and a changed model (or dtype, block size, hash seed, stored format) gets a fresh folder and
-ignores the old one: a block stored as int8 is never read as float16. A block file is written
+and a changed model (or dtype, block size, hash seed, stored format, tensor-parallel size) gets
+a fresh folder and ignores the old one: a block stored as int8 is never read as float16, and a
+rank's shard of heads is never read as another layout's block.
+
+Tensor parallelism: each worker rank writes and reads only its own file of a block
+(``DiskStore(..., rank=N)``; its header names the key and the rank); the scheduler side's
+store (``rank=None``) sees a block as present only when the files of every rank are, and
+counts all of them against the disk budget. A block file is written
 to a temp name, fsynced and renamed, so a reader sees a whole file or none. Reading checks the
 magic, the key, the length and a CRC32 of the payload; any defect raises
 :class:`BlockFileError` (the caller treats it as a miss). No torch here: the worker hands in and
@@ -29,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from server.kv.formats import SCALE_SCHEME, SCALED, BlockFormat
-from server.kv.keys import block_path, check_key, key_from_path
+from server.kv.keys import block_path, check_key, parse_block_name
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,9 @@ class Manifest:
     weights: str = ""
     """Fingerprint of the weight files (:func:`server.kv.weights.weights_fingerprint`): other
     weights in the same folder, with the same config, never reuse these blocks."""
+    tp_size: int = 1
+    """Tensor-parallel ranks. ``layer_block_bytes`` and ``kv_heads`` are one rank's share
+    (vLLM splits the KV heads between ranks); each rank stores its own file of a block."""
 
     @property
     def block_format(self) -> BlockFormat:
@@ -81,10 +91,20 @@ class Manifest:
 
     @property
     def block_bytes(self) -> int:
-        """Payload bytes of one block (all layers) as stored: what the budgets count."""
+        """Payload bytes of one rank's shard of a block (all layers) as stored: one file."""
         if self.offload_dtype == "auto":
             return sum(self.layer_block_bytes)
         return self.block_format.block_bytes
+
+    @property
+    def total_block_bytes(self) -> int:
+        """Payload bytes of one block over every rank: what the RAM budget counts."""
+        return self.block_bytes * self.tp_size
+
+    @property
+    def ranks(self) -> tuple[int | None, ...]:
+        """The rank part of the block files' names: ``(None,)`` for one rank, else 0..N-1."""
+        return (None,) if self.tp_size == 1 else tuple(range(self.tp_size))
 
     def fingerprint(self) -> str:
         """16 hex chars naming the folder of this layout (and the Redis key prefix).
@@ -92,6 +112,8 @@ class Manifest:
         ``auto`` manifests hash as before the format existed, so their files stay valid; scaled
         formats add :data:`~server.kv.formats.SCALE_SCHEME`."""
         fields: dict[str, object] = asdict(self)
+        if self.tp_size == 1:  # as before tensor parallelism: one-rank files stay valid
+            del fields["tp_size"]
         if self.offload_dtype == "auto":
             del fields["offload_dtype"], fields["kv_heads"]
         elif self.offload_dtype in SCALED:
@@ -103,10 +125,19 @@ class Manifest:
 
 
 class DiskStore:
-    """Block files of one manifest. Methods are thread-safe (files are independent)."""
+    """Block files of one manifest. Methods are thread-safe (files are independent).
 
-    def __init__(self, disk_dir: Path, manifest: Manifest) -> None:
+    ``rank``: the tensor-parallel rank whose files this store writes and reads (a worker);
+    ``None`` (the scheduler side, or a one-rank layout) sees every rank's files: ``scan`` and
+    ``remove`` cover them all, ``write`` and ``read_into`` need a single-rank layout."""
+
+    def __init__(self, disk_dir: Path, manifest: Manifest, rank: int | None = None) -> None:
         self.manifest = manifest
+        if rank is not None and not 0 <= rank < manifest.tp_size:
+            raise ValueError(f"rank {rank} is outside tensor-parallel size {manifest.tp_size}")
+        self.rank = rank if manifest.tp_size > 1 else None
+        self.ranks = manifest.ranks if self.rank is None else (self.rank,)
+        """The ranks whose files this store covers."""
         self.root = Path(disk_dir) / manifest.fingerprint()
         self.root.mkdir(parents=True, exist_ok=True)
         if not (self.root / MANIFEST_FILE).exists():
@@ -119,12 +150,19 @@ class DiskStore:
 
     @property
     def file_bytes(self) -> int:
-        """Size on disk of one block file (header + payload), counted against the budget."""
-        return block_file_bytes(self.manifest)
+        """Size on disk of one block in this store: its file, or the files of every rank
+        (header + payload each); what the disk budget counts."""
+        return rank_file_bytes(self.manifest) * len(self.ranks)
 
     def path(self, key: str) -> Path:
-        """The file of a block key."""
-        return block_path(self.root, key)
+        """The file of a block key (of this store's rank)."""
+        if len(self.ranks) != 1:
+            raise ValueError("a store of every tensor-parallel rank has no single block file")
+        return block_path(self.root, key, self.ranks[0])
+
+    def paths(self, key: str) -> list[Path]:
+        """The files of a block key, one per rank this store covers."""
+        return [block_path(self.root, key, rank) for rank in self.ranks]
 
     def write(self, key: str, payload: memoryview) -> None:
         """Write a block atomically (temp file, fsync, rename). Raises OSError on failure."""
@@ -137,7 +175,7 @@ class DiskStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{key}"
-        head = block_header(key, data)
+        head = block_header(key, data, self.rank)
         try:
             with _create(tmp) as f:
                 f.write(head)
@@ -162,7 +200,7 @@ class DiskStore:
                 magic, key_len, length, crc = _HEAD.unpack(head)
                 if magic != _MAGIC:
                     raise BlockFileError(f"{path}: not a block file")
-                if f.read(key_len) != header_key_id(key):
+                if f.read(key_len) != header_key_id(key, self.rank):
                     raise BlockFileError(f"{path}: holds another block")
                 if length != dest.nbytes:
                     raise BlockFileError(f"{path}: {length} bytes, expected {dest.nbytes}")
@@ -175,18 +213,22 @@ class DiskStore:
             raise BlockFileError(f"{path}: checksum mismatch")
 
     def remove(self, key: str) -> bool:
-        """Delete a block's file; False if it was not there."""
-        path = self.path(key)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return False
+        """Delete a block's file (every rank's, for a store of every rank); False if none
+        was there."""
+        removed = False
+        for path in self.paths(key):
+            try:
+                path.unlink()
+                removed = True
+            except FileNotFoundError:
+                pass
+        path = self.paths(key)[0]
         for folder in (path.parent, path.parent.parent):  # empty fan-out folders go too
             try:
                 folder.rmdir()
             except OSError:
                 break
-        return True
+        return removed
 
     def scan(self) -> dict[str, int]:
         """Key -> size of every sound block file; the scheduler side calls it once at start.
@@ -195,38 +237,53 @@ class DiskStore:
         temp files of interrupted writes are deleted (quietly: a crash mid-write is normal);
         a manifest that is unreadable or names another layout means no file beside it can be
         trusted, so they are deleted and the manifest is rewritten; a block file of the wrong
-        size (truncated) is deleted; empty fan-out folders are removed.
+        size (truncated) is deleted; empty fan-out folders are removed. With several
+        tensor-parallel ranks a block counts only when every rank's file is there; the files
+        of a block that lacks one (a save interrupted between ranks) are deleted.
         """
         trusted = self._manifest_ok()
-        found: dict[str, int] = {}
+        one_file = rank_file_bytes(self.manifest)
+        seen: dict[str, set[int | None]] = {}
         untrusted = 0
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):
             here = Path(dirpath)
             for name in files:
                 path = here / name
-                key = key_from_path(path)
-                if not name.startswith(_TMP_PREFIX) and key is None:
+                parsed = parse_block_name(path)
+                if not name.startswith(_TMP_PREFIX) and parsed is None:
                     continue  # the manifest, or a file that is not ours
                 try:
                     size = path.stat().st_size
-                    if key is not None and trusted and size == self.file_bytes:
-                        found[key] = size
+                    ours = parsed is not None and parsed[1] in self.ranks
+                    if parsed is not None and ours and trusted and size == one_file:
+                        seen.setdefault(parsed[0], set()).add(parsed[1])
                         continue
                     path.unlink()
                 except OSError:
                     continue
-                if key is not None and trusted:
+                if parsed is not None and trusted:
                     log.warning(
-                        "KV block file %s is %d bytes, expected %d (truncated or damaged): "
-                        "deleted; its tokens are recomputed",
+                        "KV block file %s is %d bytes, expected %d (truncated or damaged) or "
+                        "names another rank: deleted; its tokens are recomputed",
                         path,
                         size,
-                        self.file_bytes,
+                        one_file,
                     )
-                untrusted += key is not None and not trusted
+                untrusted += parsed is not None and not trusted
             if here != self.root:
                 with contextlib.suppress(OSError):
                     here.rmdir()  # only when empty
+        found = {key: self.file_bytes for key, got in seen.items() if len(got) == len(self.ranks)}
+        partial = [key for key in seen if key not in found]
+        for key in partial:
+            self.remove(key)
+        if partial:
+            log.warning(
+                "%d KV blocks under %s lacked the file of some tensor-parallel rank (a save "
+                "interrupted between ranks): their files were deleted",
+                len(partial),
+                self.root,
+            )
         if not trusted:
             self._write_manifest()
             log.warning(
@@ -253,18 +310,28 @@ KEY_ID_CHARS = 64
 """Characters of the key id in every block header: all block files of a layout are one size."""
 
 
-def header_key_id(key: str) -> bytes:
+def header_key_id(key: str, rank: int | None = None) -> bytes:
     """The key as the header names it: a full block's key (64 hex characters) as is, a longer
     tail key (:func:`server.kv.keys.tail_key`) by the SHA-256 of it, so a tail's file is the
-    same size as a full block's and budgets, start-up checks and Redis values stay uniform."""
+    same size as a full block's and budgets, start-up checks and Redis values stay uniform.
+    A tensor-parallel rank's shard is named by the SHA-256 of the key and the rank, so one
+    rank's bytes never pass for another's."""
+    if rank is not None:
+        return hashlib.sha256(f"{key}\0rank{rank}".encode()).hexdigest().encode()
     if len(key) <= KEY_ID_CHARS:
         return key.encode()
     return hashlib.sha256(key.encode()).hexdigest().encode()
 
 
-def block_file_bytes(manifest: Manifest) -> int:
-    """Size on disk of one block file of ``manifest`` (header + key id + payload)."""
+def rank_file_bytes(manifest: Manifest) -> int:
+    """Size on disk of one block file of ``manifest`` (header + key id + one rank's
+    payload)."""
     return _HEAD.size + KEY_ID_CHARS + manifest.block_bytes
+
+
+def block_file_bytes(manifest: Manifest) -> int:
+    """Size on disk of one block of ``manifest``: the files of every rank."""
+    return rank_file_bytes(manifest) * manifest.tp_size
 
 
 def _create(path: Path):  # type: ignore[no-untyped-def]
@@ -277,14 +344,14 @@ def _create(path: Path):  # type: ignore[no-untyped-def]
         return open(path, "wb")
 
 
-def block_header(key: str, data: memoryview) -> bytes:
+def block_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
     """The header stored in front of a block's bytes (magic, key, length, CRC32)."""
-    kb = header_key_id(key)
+    kb = header_key_id(key, rank)
     return _HEAD.pack(_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
 
 
-def parse_block(raw: bytes, key: str, out: memoryview, where: str) -> None:
-    """Check a stored block (header + payload) and copy its payload into ``out``."""
+def parse_block(raw: bytes, key: str, out: memoryview, where: str, rank: int | None = None) -> None:
+    """Check a stored block (header + payload) of ``rank`` and copy its payload into ``out``."""
     dest = memoryview(out).cast("B")
     if len(raw) < _HEAD.size:
         raise BlockFileError(f"{where}: truncated header")
@@ -292,7 +359,7 @@ def parse_block(raw: bytes, key: str, out: memoryview, where: str) -> None:
     if magic != _MAGIC:
         raise BlockFileError(f"{where}: not a block")
     start = _HEAD.size + key_len
-    if raw[_HEAD.size : start] != header_key_id(key):
+    if raw[_HEAD.size : start] != header_key_id(key, rank):
         raise BlockFileError(f"{where}: holds another block")
     if length != dest.nbytes or len(raw) != start + length:
         raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")
@@ -313,9 +380,19 @@ def remove_block_files(disk_dir: Path, keys: Iterable[str]) -> int:
     removed = 0
     for key in keys:
         for root in roots:
-            try:
-                block_path(root, key).unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
+            for rank in _ranks_of(root):
+                try:
+                    block_path(root, key, rank).unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass
     return removed
+
+
+def _ranks_of(root: Path) -> tuple[int | None, ...]:
+    """The rank parts of the file names of the layout folder ``root`` (from its manifest)."""
+    try:
+        tp_size = int(json.loads((root / MANIFEST_FILE).read_text()).get("tp_size", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        tp_size = 1
+    return (None,) if tp_size <= 1 else tuple(range(tp_size))

@@ -1,7 +1,10 @@
 """The optional Redis tier: the same checked blocks in a shared Redis, each with a TTL.
 
 Keys are ``lgkv:<manifest fingerprint>:<block key>``, so replicas serving the same model share
-blocks and a different model never reads them. Values use the disk tier's format (header with
+blocks and a different model never reads them. With tensor parallelism each rank stores its
+own shard of heads under ``lgkv:<fingerprint>:<block key>:r<rank>`` (the fingerprint counts the
+TP size); the scheduler side's store (``rank=None``) finds a block only when every rank's key
+exists, and removes them all. Values use the disk tier's format (header with
 key, length and CRC32, then the payload). Redis decides eviction (TTL and its own memory
 policy), so the scheduler side asks Redis which blocks exist instead of indexing them.
 
@@ -37,10 +40,15 @@ class RedisStore:
         ttl_s: float,
         timeout_s: float = 0.5,
         retry_after_s: float = 5.0,
+        rank: int | None = None,
     ) -> None:
         import redis
 
         self.prefix = f"lgkv:{manifest.fingerprint()}:"
+        self.rank = rank if manifest.tp_size > 1 else None
+        ranks = manifest.ranks if self.rank is None else (self.rank,)
+        self._suffixes = tuple("" if r is None else f":r{r}" for r in ranks)
+        """The name endings of one block's keys: one per rank this store covers."""
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.retry_after_s = retry_after_s
         self._errors = (redis.exceptions.RedisError, OSError)
@@ -50,31 +58,43 @@ class RedisStore:
         self._down_until = 0.0
         self._lock = threading.Lock()
 
+    def name(self, key: str) -> str:
+        """The Redis key of a block (of this store's rank)."""
+        if len(self._suffixes) != 1:
+            raise ValueError("a store of every tensor-parallel rank has no single Redis key")
+        return self.prefix + key + self._suffixes[0]
+
+    def names(self, key: str) -> list[str]:
+        """The Redis keys of a block, one per rank this store covers."""
+        return [self.prefix + key + suffix for suffix in self._suffixes]
+
     def write(self, key: str, payload: memoryview) -> None:
-        """Store a block with the TTL."""
+        """Store a block (this rank's shard) with the TTL."""
         data = memoryview(payload).cast("B")
-        value = block_header(key, data) + data.tobytes()
-        self._call(lambda: self._client.set(self.prefix + key, value, px=self.ttl_ms))
+        value = block_header(key, data, self.rank) + data.tobytes()
+        self._call(lambda: self._client.set(self.name(key), value, px=self.ttl_ms))
 
     def read_into(self, key: str, out: memoryview) -> None:
-        """Fill ``out`` with the block (and refresh its TTL)."""
-        raw = self._call(lambda: self._client.getex(self.prefix + key, px=self.ttl_ms))
+        """Fill ``out`` with the block (this rank's shard; and refresh its TTL)."""
+        raw = self._call(lambda: self._client.getex(self.name(key), px=self.ttl_ms))
         if raw is None:
             raise BlockFileError(f"redis {key[:16]}: missing (expired or evicted)")
-        parse_block(raw, key, out, f"redis {key[:16]}")
+        parse_block(raw, key, out, f"redis {key[:16]}", self.rank)
 
     def remove(self, key: str) -> bool:
-        """Delete a block."""
-        return bool(self._call(lambda: self._client.delete(self.prefix + key)))
+        """Delete a block (every rank's key this store covers)."""
+        return bool(self._call(lambda: self._client.delete(*self.names(key))))
 
     def remove_many(self, keys: Sequence[str]) -> int:
-        """Delete several blocks; count deleted."""
+        """Delete several blocks; count the Redis keys deleted."""
         if not keys:
             return 0
-        return int(self._call(lambda: self._client.delete(*[self.prefix + k for k in keys])))
+        names = [n for k in keys for n in self.names(k)]
+        return int(self._call(lambda: self._client.delete(*names)))
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Which of ``keys`` Redis holds now (all False while Redis is unavailable)."""
+        """Which of ``keys`` Redis holds now, every rank's shard of them (all False while
+        Redis is unavailable)."""
         if not keys:
             return []
         try:
@@ -82,12 +102,15 @@ class RedisStore:
             def query() -> list[int]:
                 pipe = self._client.pipeline(transaction=False)
                 for k in keys:
-                    pipe.exists(self.prefix + k)
+                    for name in self.names(k):
+                        pipe.exists(name)
                 return pipe.execute()
 
-            return [bool(n) for n in self._call(query)]
+            found = [bool(n) for n in self._call(query)]
         except OSError:
             return [False] * len(keys)
+        per = len(self._suffixes)
+        return [all(found[i * per : (i + 1) * per]) for i in range(len(keys))]
 
     def scan(self) -> dict[str, int]:
         """Not indexed: Redis is asked per lookup (see module docstring)."""

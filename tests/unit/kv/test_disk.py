@@ -112,3 +112,39 @@ def test_a_tail_file_is_a_block_file_of_the_same_size(tmp_path: Path) -> None:
     again.path(other).write_bytes(again.path(tail).read_bytes())  # right size, wrong tail
     with pytest.raises(BlockFileError, match="another block"):
         again.read_into(other, memoryview(bytearray(64)))
+
+
+TP2 = replace(MANIFEST, tp_size=2)
+
+
+def test_one_rank_layout_keeps_its_fingerprint_and_tp_size_changes_it() -> None:
+    assert replace(MANIFEST, tp_size=1).fingerprint() == MANIFEST.fingerprint()
+    assert TP2.fingerprint() != MANIFEST.fingerprint()
+    assert TP2.total_block_bytes == 2 * MANIFEST.block_bytes
+
+
+def test_each_rank_writes_its_own_file_and_a_block_needs_every_rank(tmp_path: Path) -> None:
+    ranks = [DiskStore(tmp_path, TP2, rank=r) for r in (0, 1)]
+    for r, store in enumerate(ranks):
+        store.write(KEY, payload(r))
+        assert store.path(KEY).name == f"{KEY}.r{r}.kvb"
+    other = "cd" * 32
+    ranks[0].write(other, payload(5))  # rank 1 never wrote it (a crash between ranks)
+    scheduler = DiskStore(tmp_path, TP2)
+    assert scheduler.file_bytes == 2 * ranks[0].file_bytes
+    assert scheduler.scan() == {KEY: scheduler.file_bytes}
+    assert not ranks[0].path(other).exists()  # the lone rank's file is deleted
+    out = bytearray(64)
+    ranks[1].read_into(KEY, memoryview(out))
+    assert bytes(out) == bytes(payload(1))
+    ranks[0].path(KEY).replace(ranks[1].path(KEY))  # rank 0's bytes under rank 1's name
+    with pytest.raises(BlockFileError, match="another block"):
+        ranks[1].read_into(KEY, memoryview(out))
+    assert DiskStore(tmp_path, MANIFEST).scan() == {}  # one rank: another layout, no files
+    assert scheduler.remove(KEY) and not list(scheduler.root.glob("*/*/*.kvb"))
+
+
+def test_api_side_removal_covers_every_rank(tmp_path: Path) -> None:
+    for r in (0, 1):
+        DiskStore(tmp_path, TP2, rank=r).write(KEY, payload(r))
+    assert remove_block_files(tmp_path, [KEY]) == 2

@@ -119,3 +119,37 @@ def test_second_replica_hits_from_redis(manifest: Manifest, tmp_path: Path) -> N
     (job,) = second.build_plan([], {}).loads
     assert [i.source for i in job.items] == ["redis"] * 3
     assert {i.key for i in job.items} == {block_key(h) for h in req2.block_hashes}
+
+
+def test_each_rank_has_its_own_key_and_a_block_needs_every_rank() -> None:
+    import redis
+
+    url = "redis://127.0.0.1:6379/15"
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    m = Manifest(
+        f"tp-{uuid.uuid4().hex}", "torch.float32", 4, ("l0",), (100,), "sha256:x", tp_size=2
+    )
+    ranks = [RedisStore(url, m, ttl_s=30, rank=r) for r in (0, 1)]
+    scheduler = RedisStore(url, m, ttl_s=30)
+    try:
+        other = "cd" * 32
+        for r, store in enumerate(ranks):
+            store.write(KEY, memoryview(bytes([r]) * 100))
+        ranks[0].write(other, memoryview(bytes(100)))
+        assert ranks[1].name(KEY) == f"lgkv:{m.fingerprint()}:{KEY}:r1"
+        assert scheduler.exists_many([KEY, other]) == [True, False]
+        out = bytearray(100)
+        ranks[1].read_into(KEY, memoryview(out))
+        assert bytes(out) == bytes([1]) * 100
+        client.set(ranks[1].name(other), client.get(ranks[0].name(other)))  # rank 0's bytes
+        with pytest.raises(BlockFileError, match="another block"):
+            ranks[1].read_into(other, memoryview(out))
+        assert scheduler.remove_many([KEY, other]) == 4
+        assert not list(client.scan_iter(f"lgkv:{m.fingerprint()}:*"))
+    finally:
+        for k in client.scan_iter(f"lgkv:{m.fingerprint()}:*"):
+            client.delete(k)

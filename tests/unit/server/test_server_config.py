@@ -173,6 +173,14 @@ def test_vllm_namespace_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
         build_vllm_args(
             ServerConfig(model=str(tiny_model_dir), vllm_args=("--kv-transfer-config", "{}"))
         )
+    with pytest.raises(ConfigError, match=r"pipeline parallelism.*--pipeline-parallel-size 1"):
+        build_vllm_args(
+            ServerConfig(model=str(tiny_model_dir), vllm_args=("--pipeline-parallel-size", "2"))
+        )
+    tp = build_vllm_args(
+        ServerConfig(model=str(tiny_model_dir), vllm_args=("--tensor-parallel-size", "2"))
+    )
+    assert tp.tensor_parallel_size == 2 and tp.kv_transfer_config is not None
 
 
 def test_default_model_missing_says_how_to_build_it(
