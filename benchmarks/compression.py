@@ -109,7 +109,8 @@ def codec_cost(model: Path, batch: int, reps: int) -> None:
 
 
 def quality_prompts(n: int) -> list[list[dict[str, str]]]:
-    """``n`` varied 2- and 3-turn chats: half RAG passages, half multi_turn.py user turns."""
+    """``n`` varied 2- and 3-turn chats: half RAG passages, half multi_turn.py user turns,
+    interleaved, so the first prompts of a run cut short hold both kinds."""
     from multi_turn import _user_turns
 
     from examples.rag import chunk_articles, load_articles
@@ -119,12 +120,12 @@ def quality_prompts(n: int) -> list[list[dict[str, str]]]:
     for c in chunks:
         by_title.setdefault(c.title, []).append(c.text)
     titles = [t for t, cs in by_title.items() if len(cs) >= 3]
-    out: list[list[dict[str, str]]] = []
+    rag: list[list[dict[str, str]]] = []
     for i in range(n - n // 2):
         title = titles[i % len(titles)]
         c = by_title[title]
         first = c[0].split(". ")[0]
-        out.append(
+        rag.append(
             [
                 {"role": "system", "content": "You answer questions about Wikipedia passages."},
                 {"role": "user", "content": f"An article on {title}:\n\n{c[0]}\n\n{c[1]}\n\n"
@@ -133,6 +134,7 @@ def quality_prompts(n: int) -> list[list[dict[str, str]]]:
                 {"role": "user", "content": f"It goes on:\n\n{c[2]}\n\nName one fact from it."},
             ]
         )  # fmt: skip
+    chats: list[list[dict[str, str]]] = []
     for j, turns in enumerate(_user_turns(n // 2, 3, seed=1)):
         chat: list[dict[str, str]] = []
         for k in range(2 + j % 2):
@@ -140,14 +142,17 @@ def quality_prompts(n: int) -> list[list[dict[str, str]]]:
                 words = turns[k - 1].split(": ", 1)[-1].split()
                 chat.append({"role": "assistant", "content": " ".join(words[3 + j % 5 : 20])})
             chat.append({"role": "user", "content": turns[k]})
-        out.append(chat)
-    return out
+        chats.append(chat)
+    out = [c for pair in zip(rag, chats, strict=False) for c in pair]
+    return out + rag[len(chats) :]
 
 
 def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """One format: cache-off and compressed-hit continuations of every prompt (subprocess)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from server.kv.offline import reset_prefix_cache
 
     extra = {
         "cache_dir": spec["cache_dir"],
@@ -197,9 +202,9 @@ def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
         idx = list(range(start, min(start + step, len(prompts))))
         batch = [{"prompt_token_ids": prompts[i]} for i in idx]
         ref = llm.generate(batch, [params(i, True) for i in idx], use_tqdm=False)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)  # the hit must come from the tier, decoded
         hit = llm.generate(batch, [params(i, False) for i in idx], use_tqdm=False)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
         batch_rows = [
             {"prompt": i, "prompt_len": len(prompts[i]), "cached": h.num_cached_tokens,
              "ref": _tokens(r), "hit": _tokens(h)}

@@ -6,13 +6,16 @@ sizes the RAM pool and the disk budget by stored bytes, and :mod:`server.kv.code
 torch) converts. Stored layout of one block: for every layer in manifest order, the layer's
 elements in the stored dtype, then (``int8``/``fp8`` only) its float16 scales.
 
-Scales (:data:`SCALE_SCHEME`): one per row of ``head_size`` elements, i.e. per head and token,
-for keys and values alike. On vLLM's CPU layout of a layer block, ``[kv_heads, 2 * block_tokens,
-head_size]`` (each head's keys, then its values), rows are contiguous, so a layer block has
-``2 * kv_heads * block_tokens`` scales: 1.5 KB next to 48 KB of int8 for SmolLM2 (3 heads of
-64, 128 tokens), 3.88x smaller than float32. Measured on the default model, per-token rows kept
-more greedy continuations identical than one scale per head and block (the first tokens of a
-conversation have much larger K/V than the rest) or than KIVI's per-channel keys.
+Scales (:data:`SCALE_SCHEME`): one per row of ``head_size`` contiguous elements. vLLM's CPU
+layout of a layer block is ``[kv_heads, 2 * block_tokens, head_size]`` as a view (each head's
+keys, then its values), so a layer block has ``2 * kv_heads * block_tokens`` scales: 1.5 KB
+next to 48 KB of int8 for SmolLM2 (3 heads of 64, 128 tokens), 3.88x smaller than float32.
+What a row holds depends on the attention kernel's layout inside that view: vLLM CPU's ``vec``
+kernel (float32 on x86, csrc/cpu/cpu_attn_vec.hpp) writes values row-major, so a value row is
+one token's head vector, and keys column-major (``[head_size, block_tokens]``), so a key row
+is one channel over ``head_size`` consecutive tokens: per-channel key scales, as KIVI
+recommends, and per-token value scales. Rows that mix channels or tokens of another layout
+keep the same error bound per row.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ Kept out of conftest.py so that ``engine_script.py`` (a subprocess) can import t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from server.kv.offline import reset_prefix_cache, reset_prefix_cache_async
 
 BLOCK = 128
 RAM_BLOCKS = 8
@@ -72,31 +72,10 @@ def settle(llm: Any) -> None:
     llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
 
 
-def reset_cache(llm: Any) -> None:
-    """Reset vLLM's prefix cache (so the next hit must come from the connector's tiers).
+reset_cache = reset_prefix_cache
+"""Reset vLLM's prefix cache, so the next hit must come from the connector's tiers."""
 
-    vLLM refuses while blocks are in use, and a finished session turn keeps its blocks until
-    the connector's worker has copied its tail block, one engine step later: an in-process
-    engine runs that step here, one in another process runs it by itself."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    for _ in range(500):
-        if llm.reset_prefix_cache():
-            return
-        if isinstance(llm.llm_engine.engine_core, InprocClient):
-            llm.llm_engine.step()
-        else:
-            time.sleep(0.01)
-    raise RuntimeError("vLLM's prefix cache could not be reset: blocks stay in use")
-
-
-async def reset_cache_async(engine: Any) -> None:
-    """:func:`reset_cache` for an ``AsyncLLM`` (its engine core steps by itself)."""
-    for _ in range(500):
-        if await engine.reset_prefix_cache():
-            return
-        await asyncio.sleep(0.01)
-    raise RuntimeError("vLLM's prefix cache could not be reset: blocks stay in use")
+reset_cache_async = reset_prefix_cache_async
 
 
 def make_llm(kwargs: dict[str, Any]) -> Any:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_engine import BLOCK, DISK_BLOCKS, RAM_BLOCKS, engine_kwargs, run_engine_script, settle
+from kv_engine import (
+    BLOCK,
+    DISK_BLOCKS,
+    RAM_BLOCKS,
+    engine_kwargs,
+    reset_cache,
+    run_engine_script,
+    settle,
+)
 
 from server.kv.control import SessionControl
 from server.kv.registry import Registry
@@ -187,7 +195,7 @@ def test_concurrent_sessions_keep_their_own_kv(llm: Any, registry: Registry) -> 
     refs = {s: turn(llm, p, None, cache=False) for s, p in prompts.items()}
 
     def batch() -> dict[str, Any]:
-        llm.reset_prefix_cache()
+        reset_cache(llm)  # the second batch must load from the tiers
         params = [
             SamplingParams(
                 max_tokens=8,
