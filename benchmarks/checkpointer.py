@@ -11,8 +11,12 @@ PostgreSQL database on the same server), it measures:
   the latest one (``get_tuple`` without id, what every run starts with);
 - ``list``: checkpoint tuples per second when listing the whole thread;
 - size: bytes of the savers' tables after one thread (SQLite file after a WAL checkpoint;
-  PostgreSQL ``pg_total_relation_size`` of the tables), and bytes per step over the first and
-  the last 100 steps (flat when storage grows linearly with the thread).
+  PostgreSQL ``pg_total_relation_size`` of the tables: heap, free space and visibility maps,
+  TOAST and indexes), and bytes per step over the first and the last 100 steps (flat when
+  storage grows linearly with the thread). On PostgreSQL also the size after a plain
+  ``VACUUM`` of both databases (no rewrite: what a settled database holds once autovacuum has
+  run; it adds visibility maps and the free space maps of small tables, and frees nothing in
+  an insert-only run), and with ``--pg-detail`` each table's share.
 
 It prints a table with ratios ours/peer (throughput: higher is better; size: lower is better).
 Both savers run in lockstep, call by call, alternating which goes first, and each rate is taken
@@ -25,7 +29,8 @@ size grows with the square of the thread and its ``put`` writes ever more bytes;
 each message once (``langgraph_kvcache/checkpoint/lists.py``). Reads are bound by
 deserializing the message list, the same work for both.
 
-Run: ``python benchmarks/checkpointer.py [--steps 200 1000] [--repeat 2] [--no-postgres]``.
+Run: ``python benchmarks/checkpointer.py [--steps 200 1000] [--repeat 2] [--no-postgres]
+[--size-only] [--pg-detail]``.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ OPS = ("invoke", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)
 SIZE_ONLY = False
 """``--size-only``: write the threads and measure sizes, no reads (and no read rates)."""
 
+PG_DETAIL = False
+"""``--pg-detail``: print each PostgreSQL table's bytes (after VACUUM) for both savers."""
+
 SIZE_AT = 100
 """Bytes per step are measured over the first and the last ``SIZE_AT`` steps."""
 
@@ -76,6 +84,8 @@ class Result:
     size_bytes: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
     """Database size after the first thread's step count (0: before it)."""
+    settled_bytes: int | None = None
+    """Size after the first thread and a ``VACUUM`` (PostgreSQL only)."""
 
     def per_step(self, first: int, last: int) -> float:
         """Bytes per step between the sizes after steps ``first`` and ``last``."""
@@ -193,11 +203,13 @@ def bench_pair(
     sizes: tuple[Callable[[], int], Callable[[], int]],
     steps: int,
     repeat: int,
+    settled: tuple[Callable[[], int], Callable[[], int]] | None = None,
 ) -> tuple[Result, Result]:
     """Run every measurement on both savers in lockstep, alternating which goes first.
 
     ``writers_`` write (ours, peer); ``readers()`` is a context manager giving the (ours,
-    peer) savers that read; ``sizes`` measure each database. Interleaving makes both savers
+    peer) savers that read; ``sizes`` measure each database, ``settled`` (optional) each
+    database after a ``VACUUM``, both after the first thread. Interleaving makes both savers
     see the same machine load; the reported rate uses each operation's median call time, which
     a burst of load from other processes barely moves.
     """
@@ -214,6 +226,8 @@ def bench_pair(
         if r == 0:
             for side in (0, 1):
                 results[side].sizes[steps] = results[side].size_bytes = sizes[side]()
+            for side in (0, 1) if settled else ():
+                results[side].settled_bytes = settled[side]()  # type: ignore[index]
         if not SIZE_ONLY:
             with readers() as savers:
                 _read_pass(savers, writers, results, steps, r)
@@ -264,6 +278,29 @@ def pg_size(url: str) -> int:
             "WHERE n.nspname = 'public' AND c.relkind = 'r'"
         ).fetchone()
     return int(rows[0]) if rows else 0
+
+
+def pg_vacuumed_size(url: str, label: str) -> int:
+    """``VACUUM`` the database, then :func:`pg_size`; with ``--pg-detail`` print each table's
+    rows and bytes (heap, free space and visibility maps, TOAST, indexes)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM")
+        if PG_DETAIL:
+            rows = conn.execute(
+                "SELECT c.relname, c.reltuples::bigint, pg_relation_size(c.oid, 'main'), "
+                "pg_relation_size(c.oid, 'fsm') + pg_relation_size(c.oid, 'vm'), "
+                "coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0), "
+                "pg_indexes_size(c.oid), pg_total_relation_size(c.oid) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = 'public' AND c.relkind = 'r' ORDER BY 7 DESC"
+            ).fetchall()
+            print(f"  {label}: bytes after VACUUM")
+            print(f"  {'table':<24}{'rows':>7}{'heap':>10}{'fsm+vm':>8}{'toast':>10}{'indexes':>9}")
+            for name, n, heap, maps, toast, idx, _ in rows:
+                print(f"  {name:<24}{n:>7}{heap:>10}{maps:>8}{toast:>10}{idx:>9}")
+    return pg_size(url)
 
 
 @contextmanager
@@ -320,7 +357,11 @@ def run_postgres(steps: int, repeat: int) -> tuple[Result, Result]:
                 yield ours_reader, peer_saver
 
         sizes = (lambda: pg_size(ours_url), lambda: pg_size(peer_url))
-        return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat)
+        settled = (
+            lambda: pg_vacuumed_size(ours_url, "SQLAlchemySaver"),
+            lambda: pg_vacuumed_size(peer_url, "PostgresSaver"),
+        )
+        return bench_pair((ours_saver, peer_saver), readers, sizes, steps, repeat, settled)
 
 
 def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
@@ -337,6 +378,11 @@ def print_table(rows: list[tuple[str, int, str, Result, Result]]) -> None:
         a_mb, b_mb = ours.size_bytes / 2**20, peer.size_bytes / 2**20
         ratio = ours.size_bytes / peer.size_bytes
         print(f"{lead} {'size MiB (lower=better)':<26} {a_mb:>11.2f} {b_mb:>11.2f} {ratio:>8.3f}x")
+        if ours.settled_bytes is not None and peer.settled_bytes is not None:
+            a_mb, b_mb = ours.settled_bytes / 2**20, peer.settled_bytes / 2**20
+            ratio = ours.settled_bytes / peer.settled_bytes
+            label = "size MiB after VACUUM"
+            print(f"{lead} {label:<26} {a_mb:>11.2f} {b_mb:>11.2f} {ratio:>8.3f}x")
         spans = ((0, SIZE_AT, "first"), (steps - SIZE_AT, steps, "last"))
         for first, last, name in spans:
             a, b = ours.per_step(first, last), peer.per_step(first, last)
@@ -355,9 +401,12 @@ def main() -> None:
     parser.add_argument(
         "--size-only", action="store_true", help="write and measure sizes and invoke only"
     )
+    parser.add_argument(
+        "--pg-detail", action="store_true", help="print each PostgreSQL table's bytes"
+    )
     args = parser.parse_args()
-    global SIZE_ONLY
-    SIZE_ONLY = args.size_only
+    global SIZE_ONLY, PG_DETAIL
+    SIZE_ONLY, PG_DETAIL = args.size_only, args.pg_detail
     if min(args.steps) < 2 * SIZE_AT:
         parser.error(f"--steps must be at least {2 * SIZE_AT} (bytes per step span {SIZE_AT})")
     print(

@@ -218,6 +218,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         """Save a task's pending writes against the checkpoint in ``config``."""
         rows, mode = self._write_rows(config, writes, task_id, task_path)
         await self._run(self._op_put_writes(rows), mode)
+        self._after_put_writes(rows)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

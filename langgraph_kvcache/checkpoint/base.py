@@ -252,6 +252,18 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
             many = len(rows) > 1 or bool(item_rows)
         return codec.WriteRows(rows, item_rows, upsert), "write" if many else "single"
 
+    def _after_put_writes(self, rows: codec.WriteRows) -> None:
+        """After a ``put_writes`` committed: remember the list items it stored, so the next
+        checkpoint's list, which takes them in, does not send them again."""
+        if rows.item_rows:
+            first = rows.rows[0]
+            self.lists.remember_written(
+                first["thread_id"],
+                first["checkpoint_ns"],
+                first["checkpoint_id"],
+                [r["item"] for r in rows.item_rows],
+            )
+
     def _op_put_writes(self, rows: codec.WriteRows) -> Op[None]:
         """Write the rows of :meth:`_write_rows`: items first (or, on PostgreSQL, in the same
         statement), so a stored write never names an item that is not stored."""

@@ -140,6 +140,7 @@ def checkpoint_row(
         "blob_versions": blob_versions,
     }
     parent_lists = lists.recall(thread_id, ns, configurable.get("checkpoint_id"))
+    written = lists.written(thread_id, ns, configurable.get("checkpoint_id"))
     known: dict[str, ListVersion] = {}
     blob_rows: list[dict[str, Any]] = []
     item_rows: list[dict[str, Any]] = []
@@ -149,7 +150,7 @@ def checkpoint_row(
         value = blob_values[channel]
         if is_item_list(value):
             planned = lists.plan(
-                thread_id, ns, channel, str(version), value, parent_lists.get(channel)
+                thread_id, ns, channel, str(version), value, parent_lists.get(channel), written
             )
             blob_rows.append(planned.blob_row)
             item_rows.extend(planned.item_rows)

@@ -96,6 +96,10 @@ class ListState:
         self._digest_key = os.urandom(16) if encrypted else b""
         self._encrypted = encrypted
         self._chains: OrderedDict[tuple[str, str, str], dict[str, ListVersion]] = OrderedDict()
+        self._written: OrderedDict[tuple[str, str, str], frozenset[bytes]] = OrderedDict()
+        """Digests of the items that committed pending writes stored, by the checkpoint they
+        were written against (the next checkpoint's list takes them in: no need to send them
+        again)."""
         self._lock = threading.Lock()
 
     # -- what this saver knows about checkpoints ------------------------------------------
@@ -116,13 +120,34 @@ class ListState:
         with self._lock:
             return self._chains.get((thread_id, ns, checkpoint_id), {})
 
+    def remember_written(
+        self, thread_id: str, ns: str, checkpoint_id: str, digests: Iterable[bytes]
+    ) -> None:
+        """Record the items a pending write against a checkpoint stored (call after commit)."""
+        key = (thread_id, ns, checkpoint_id)
+        with self._lock:
+            self._written[key] = self._written.get(key, frozenset()).union(digests)
+            self._written.move_to_end(key)
+            while len(self._written) > CHAIN_CACHE_ENTRIES:
+                self._written.popitem(last=False)
+
+    def written(self, thread_id: str, ns: str, checkpoint_id: str | None) -> frozenset[bytes]:
+        """Digests of the items stored by committed pending writes against a checkpoint."""
+        if not checkpoint_id:
+            return frozenset()
+        with self._lock:
+            return self._written.get((thread_id, ns, checkpoint_id), frozenset())
+
     def forget_threads(self, thread_ids: Iterable[str]) -> None:
         """Drop what is known about ``thread_ids`` (after they lost or may lose checkpoints), so
-        no delta is written against a version that was deleted."""
+        no delta is written against a version that was deleted and no item is taken as stored
+        that may be gone."""
         gone = set(thread_ids)
         with self._lock:
             for key in [k for k in self._chains if k[0] in gone]:
                 del self._chains[key]
+            for key in [k for k in self._written if k[0] in gone]:
+                del self._written[key]
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -141,9 +166,11 @@ class ListState:
         version: str,
         value: list[Any],
         base: ListVersion | None,
+        stored: frozenset[bytes] = frozenset(),
     ) -> PlannedList:
         """The rows that store ``value`` as ``version`` of ``channel``. ``base`` is the parent
-        checkpoint's version of the channel (None: unknown). When ``value`` starts with
+        checkpoint's version of the channel (None: unknown); ``stored``: digests of items known
+        to be stored in the thread already (no row is written for them). When ``value`` starts with
         ``base``'s items and the chain is shorter than ``snapshot_every``, a delta: an anchor
         (extending the snapshot) every ``anchor_every`` versions, else a leaf (extending the
         last anchor); otherwise a snapshot."""
@@ -180,12 +207,12 @@ class ListState:
             assert base is not None
             start, base_version = base.anchor[1], base.anchor[0]
             state = ListVersion(version, packed, count, base.root, base.anchor)
-        stored = set(base_digests)  # the base is stored, so are its items
+        known_stored = stored.union(base_digests)  # the base is stored, so are its items
         item_rows = []
         seen: set[bytes] = set()
         for i in range(start, n):
             digest = digests[i]
-            if digest in stored or digest in seen:
+            if digest in known_stored or digest in seen:
                 continue
             seen.add(digest)
             item_rows.append(self._item_row(thread_id, ns, digest, plain[i], value[i]))

@@ -247,6 +247,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         """Save a task's pending writes against the checkpoint in ``config``."""
         rows, mode = self._write_rows(config, writes, task_id, task_path)
         self._run_raw(self._op_put_writes(rows), mode)
+        self._after_put_writes(rows)
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

@@ -14,6 +14,7 @@ from sqlalchemy import select
 from test_lists import Thread, _count
 
 from langgraph_kvcache.checkpoint import compress
+from langgraph_kvcache.checkpoint import sync as sync_module
 from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE, _ByteLRU
 from langgraph_kvcache.checkpoint.schema import checkpoints, items, writes
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
@@ -116,3 +117,73 @@ def test_item_memory_joins_only_remembered_msgpack_items() -> None:
     memory.put(b"d", ("msgpack", b"D" * 10))  # evicts the oldest, "a"
     assert memory.get(b"a") is None and memory.msgpack_bytes([b"a"]) is None
     assert memory.msgpack_bytes([b"c", b"d"]) == b"C" * 10 + b"D" * 10
+
+
+def _spy_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The SQL of every statement the sync savers run on the fast path from now on."""
+    sql: list[str] = []
+    original = sync_module.run_plain
+
+    def spy(dialect: Any, driver: Any, stmt: Any) -> Any:
+        sql.append(str(stmt.statement))
+        return original(dialect, driver, stmt)
+
+    monkeypatch.setattr(sync_module, "run_plain", spy)
+    return sql
+
+
+def test_items_stored_by_the_parents_writes_are_not_sent_again(
+    saver: Any, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next checkpoint's list takes in the message its parent's write stored: its ``put``
+    names no item row, and a saver that remembers nothing reads it back. After the thread is
+    deleted the saver no longer takes those items as stored."""
+    thread = Thread(saver, "t")
+    first = thread.put([long_msg(0)])
+    saver.put_writes(first, [("messages", [long_msg(1)])], "task")
+    sql = _spy_statements(monkeypatch)
+    second = thread.put([long_msg(0), long_msg(1)])
+    monkeypatch.undo()
+    assert sql and not [s for s in sql if "checkpoint_items" in s], sql
+    assert _count(saver, items, "t") == 2
+    with SQLAlchemySaver.from_conn_string(db_url) as fresh:
+        found = fresh.get_tuple(second)
+        assert found is not None
+        assert found.checkpoint["channel_values"]["messages"] == [long_msg(0), long_msg(1)]
+    saver.delete_thread("t")
+    # A stale config naming the deleted parent: the items must be stored again.
+    again = Thread(saver, "t")
+    later = again.put([long_msg(0), long_msg(1)], parent=first)
+    assert _count(saver, items, "t") == 2
+    with SQLAlchemySaver.from_conn_string(db_url) as fresh:
+        found = fresh.get_tuple(later)
+        assert found is not None
+        assert found.checkpoint["channel_values"]["messages"] == [long_msg(0), long_msg(1)]
+
+
+def test_get_tuple_follows_chains_in_one_statement(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every checkpoint of a thread whose list chains have leaves, anchors and snapshots reads
+    back equal to what was put, from a saver that remembers nothing (which fetches the items)
+    and then warm, in one statement."""
+    with SQLAlchemySaver.from_conn_string(db_url, snapshot_every=9) as saver:
+        saver.setup()
+        thread = Thread(saver, "t")
+        values: list[list[Any]] = []
+        for i in range(30):
+            values.append([*(values[-1] if values else []), long_msg(i)])
+            config = thread.put(values[-1])
+            saver.put_writes(config, [("messages", [long_msg(100 + i)])], f"task{i}")
+    with SQLAlchemySaver.from_conn_string(db_url, snapshot_every=9) as reader:
+        latest = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+        for i, config in [(29, latest), *enumerate(thread.configs)]:
+            for attempt in ("cold", "warm"):
+                sql = _spy_statements(monkeypatch)
+                found = reader.get_tuple(config)
+                monkeypatch.undo()
+                assert found is not None
+                assert found.checkpoint["channel_values"]["messages"] == values[i]
+                assert found.pending_writes == [(f"task{i}", "messages", [long_msg(100 + i)])]
+                if attempt == "warm":
+                    assert len(sql) == 1, sql
