@@ -1,11 +1,12 @@
 # Two commands: `make demo` and `make test`. Both create the environment when needed.
+# `make cluster`: two replicas sharing Redis behind vllm-router (docs/operations.md).
 SHELL := /bin/bash
 VENV = $(shell bash scripts/setup-env.sh | tail -n 1)
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test lint demo bench docs
+.PHONY: setup test lint demo bench docs cluster
 
 setup:
 	@bash scripts/setup-env.sh
@@ -20,6 +21,9 @@ test:
 
 demo:
 	@v=$(VENV); $$v/bin/python -m examples.demo
+
+cluster:
+	@v=$(VENV); $$v/bin/python -m examples.cluster $(CLUSTER_ARGS)
 
 bench:
 	@v=$(VENV); $$v/bin/python benchmarks/checkpointer.py

@@ -16,6 +16,10 @@ with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
 - :meth:`ServerProcess.stop` sends SIGTERM (the server's clean shutdown: it finishes writing
   KV blocks to disk), then SIGKILL to the whole process group if it hangs.
 - :meth:`ServerProcess.restart` stops and starts again on the same port and cache dir.
+- :meth:`ServerProcess.kill` is a crash: SIGKILL to the server's whole process group (the API
+  server and vLLM's engine core), no clean shutdown.
+- ``start(wait=False)`` only launches; :meth:`ServerProcess.wait_healthy` waits. Several
+  servers start at once that way, all launched from the calling thread (see below).
 - Leaving the ``with`` block stops the server, also when the block raised; so does the end of
   the Python process (``atexit``), e.g. a notebook kernel shut down after a failed cell. On
   Linux the server also gets SIGTERM when the thread that started it dies (a killed kernel),
@@ -46,16 +50,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import httpx
 
 __all__ = [
     "RESERVED_CPUS",
+    "Managed",
     "ServerProcess",
     "ServerStartError",
     "equal_cores_env",
     "free_port",
     "locate_model",
+    "log_tail",
     "omp_cores",
 ]
 
@@ -110,6 +117,37 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a child's log file (``""`` before it exists)."""
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+_M = TypeVar("_M", bound="Managed")
+
+
+class Managed:
+    """``with`` support of the child-process helpers: enter starts, exit stops (always)."""
+
+    def start(self: _M) -> _M:
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self: _M) -> _M:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 class ServerStartError(RuntimeError):
     """The server exited or stayed unhealthy while starting; the message holds the log's tail."""
 
@@ -135,7 +173,7 @@ def locate_model(progress: Callable[[str], None] = say) -> Path:
     return build_default_model()
 
 
-class ServerProcess:
+class ServerProcess(Managed):
     """One ``python -m server`` child process on a free port (see the module doc)."""
 
     def __init__(
@@ -209,8 +247,8 @@ class ServerProcess:
             "--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.flags,
         ]  # fmt: skip
 
-    def start(self) -> ServerProcess:
-        """Start the server and wait until ``/health`` answers 200.
+    def start(self, wait: bool = True) -> ServerProcess:
+        """Start the server and (with ``wait``) wait until ``/health`` answers 200.
 
         Raises:
             ServerStartError: the process exited, or was not healthy after ``start_timeout_s``
@@ -230,6 +268,13 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> ServerProcess:
+        """Wait until the started server's ``/health`` answers 200 (see :meth:`start`); stop
+        it and raise :class:`ServerStartError` if it exits or stays unhealthy."""
         try:
             self._wait_healthy()
         except BaseException:
@@ -284,6 +329,17 @@ class ServerProcess:
             self.progress("stopped cleanly" if clean else f"exited with {proc.returncode}")
         return proc.returncode
 
+    def kill(self) -> None:
+        """Crash the server: SIGKILL to its process group (API server and engine core)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        self.progress(f"killed (SIGKILL to process group {proc.pid})")
+
     def restart(self) -> ServerProcess:
         """Stop, then start again on the same port and cache dir."""
         self.stop()
@@ -295,17 +351,4 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the server log."""
-        if not self.log_path.is_file():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        return log_tail(self.log_path, lines)

@@ -22,9 +22,17 @@ with three differences:
      the root graph, ``"<thread>|<subgraph>"`` inside a subgraph;
    - none: the request still reuses cached prefixes by content, it is just not recorded under a
      session.
+   The same session goes in the ``X-Session-ID`` request header
+   (:data:`langgraph_kvcache.contract.SESSION_HEADER`), so a router in front of several
+   replicas (``vllm-router --policy consistent_hash``) keeps the thread on one replica.
 3. ``usage_metadata["input_token_details"]["cache_read"]`` is the number of prompt tokens whose
    KV came from the cache (the server's ``usage.prompt_tokens_details.cached_tokens``); this
    mapping is ChatOpenAI's own and works for ``invoke`` and ``stream`` alike.
+
+A failed request (connection error, HTTP 408/409/429/5xx: e.g. a replica killed while it
+answered) is retried by the OpenAI client, ``max_retries`` times (its default: 2) with
+backoff; ``include_response_headers=True`` puts the answer's headers, the replica's
+``x-lgkv-replica`` among them, in ``response_metadata["headers"]``.
 
 Streaming, tool calling (``bind_tools``), ``with_structured_output`` and the async methods are
 ChatOpenAI's; the session is applied on all of them.
@@ -43,6 +51,7 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
+from langgraph_kvcache.contract import SESSION_HEADER
 from langgraph_kvcache.sessions import (
     current_config,
     session_id_from_config,
@@ -229,6 +238,12 @@ class ChatKVCache(ChatOpenAI):
 
         Calls that bypass :meth:`invoke`/:meth:`stream` (``generate``, ``agenerate``, callbacks
         that call ``_generate`` directly) still get their session: from their own keywords, the
-        ``session_id`` field, or the running node's config.
+        ``session_id`` field, or the running node's config. A request with a session also
+        names it in the ``X-Session-ID`` header (the OpenAI client's ``extra_headers``).
         """
-        return super()._get_request_payload(input_, stop=stop, **self._with_session(None, kwargs))
+        kwargs = self._with_session(None, kwargs)
+        payload = super()._get_request_payload(input_, stop=stop, **kwargs)
+        sid = payload.get(SESSION_FIELD)
+        if sid is not None:
+            payload["extra_headers"] = {**(payload.get("extra_headers") or {}), SESSION_HEADER: sid}
+        return payload

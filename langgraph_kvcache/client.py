@@ -6,6 +6,10 @@ with KVCacheClient("http://127.0.0.1:8000") as kv:
     print(kv.get_session("thread-1").tiers["disk"].bytes)
 ```
 
+Every request that names a session sends it in the ``X-Session-ID`` header too
+(:data:`langgraph_kvcache.contract.SESSION_HEADER`), so a router in front of several replicas
+(``vllm-router --policy consistent_hash``) sends a session's calls where its chat requests go.
+
 Errors form one hierarchy under :class:`KVCacheClientError`:
 
 - :class:`SessionNotFoundError` (HTTP 404), :class:`SessionExistsError` (HTTP 409) and every other
@@ -24,6 +28,7 @@ from urllib.parse import quote
 import httpx
 
 from langgraph_kvcache.contract import (
+    SESSION_HEADER,
     UNSET,
     PrefetchResult,
     Session,
@@ -107,6 +112,11 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _path(session_id: str, action: str = "") -> str:
     sid = quote(validate_session_id(session_id), safe="")
     return f"/v1/sessions/{sid}/{action}" if action else f"/v1/sessions/{sid}"
+
+
+def _session_headers(session_id: str | None) -> dict[str, str] | None:
+    """The routing header of a request that names ``session_id`` (none for a list)."""
+    return {SESSION_HEADER: validate_session_id(session_id)} if session_id else None
 
 
 def _create_body(session_id: str, ttl_seconds: float | None, pinned: bool) -> dict[str, Any]:
@@ -220,9 +230,18 @@ class KVCacheClient:
             base_url=self.base_url, headers=_headers(api_key), timeout=timeout
         )
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        session: str | None = None,
+    ) -> dict[str, Any]:
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(
+                method, path, json=body, headers=_session_headers(session)
+            )
         except httpx.HTTPError as exc:  # connect errors, timeouts, protocol errors
             raise _unavailable(self.base_url, exc) from exc
         return _json(response)
@@ -233,14 +252,14 @@ class KVCacheClient:
 
     def get_session(self, session_id: str) -> Session:
         """One session; raises :class:`SessionNotFoundError` if unknown."""
-        return _session(self._call("GET", _path(session_id)))
+        return _session(self._call("GET", _path(session_id), session=session_id))
 
     def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """Create an empty session; raises :class:`SessionExistsError` if it exists."""
         body = _create_body(session_id, ttl_seconds, pinned)
-        return _session(self._call("POST", "/v1/sessions", body))
+        return _session(self._call("POST", "/v1/sessions", body, session=session_id))
 
     def update_session(
         self,
@@ -250,23 +269,24 @@ class KVCacheClient:
         pinned: bool | None = None,
     ) -> Session:
         """Change TTL (``None``: never expire) and/or pin state; omitted fields stay as they are."""
-        return _session(self._call("PATCH", _path(session_id), _update_body(ttl_seconds, pinned)))
+        body = _update_body(ttl_seconds, pinned)
+        return _session(self._call("PATCH", _path(session_id), body, session=session_id))
 
     def delete_session(self, session_id: str) -> int:
         """Delete a session and its KV (blocks no other session uses); returns blocks freed."""
-        return _freed(self._call("DELETE", _path(session_id)))
+        return _freed(self._call("DELETE", _path(session_id), session=session_id))
 
     def pin(self, session_id: str) -> Session:
         """Pin a session: it is never evicted nor expired until unpinned."""
-        return _session(self._call("POST", _path(session_id, "pin")))
+        return _session(self._call("POST", _path(session_id, "pin"), session=session_id))
 
     def unpin(self, session_id: str) -> Session:
         """Unpin a session: it is evicted and expires like any other again."""
-        return _session(self._call("POST", _path(session_id, "unpin")))
+        return _session(self._call("POST", _path(session_id, "unpin"), session=session_id))
 
     def prefetch(self, session_id: str) -> PrefetchResult:
         """Load a session's KV from disk into RAM now, ahead of its next request."""
-        return _prefetch(self._call("POST", _path(session_id, "prefetch")))
+        return _prefetch(self._call("POST", _path(session_id, "prefetch"), session=session_id))
 
     def copy_session(self, source_id: str, target_id: str, *, overwrite: bool = False) -> Session:
         """Fork ``source_id`` into ``target_id`` (blocks are shared, not copied); return the copy.
@@ -275,7 +295,7 @@ class KVCacheClient:
         :class:`SessionExistsError` if the target exists and ``overwrite`` is false.
         """
         body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return _session(self._call("POST", _path(source_id, "copy"), body))
+        return _session(self._call("POST", _path(source_id, "copy"), body, session=source_id))
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -309,10 +329,17 @@ class AsyncKVCacheClient:
         )
 
     async def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        session: str | None = None,
     ) -> dict[str, Any]:
         try:
-            response = await self._http.request(method, path, json=body)
+            response = await self._http.request(
+                method, path, json=body, headers=_session_headers(session)
+            )
         except httpx.HTTPError as exc:
             raise _unavailable(self.base_url, exc) from exc
         return _json(response)
@@ -324,14 +351,14 @@ class AsyncKVCacheClient:
 
     async def get_session(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.get_session`."""
-        return _session(await self._call("GET", _path(session_id)))
+        return _session(await self._call("GET", _path(session_id), session=session_id))
 
     async def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.create_session`."""
         body = _create_body(session_id, ttl_seconds, pinned)
-        return _session(await self._call("POST", "/v1/sessions", body))
+        return _session(await self._call("POST", "/v1/sessions", body, session=session_id))
 
     async def update_session(
         self,
@@ -342,30 +369,31 @@ class AsyncKVCacheClient:
     ) -> Session:
         """See :meth:`KVCacheClient.update_session`."""
         body = _update_body(ttl_seconds, pinned)
-        return _session(await self._call("PATCH", _path(session_id), body))
+        return _session(await self._call("PATCH", _path(session_id), body, session=session_id))
 
     async def delete_session(self, session_id: str) -> int:
         """See :meth:`KVCacheClient.delete_session`."""
-        return _freed(await self._call("DELETE", _path(session_id)))
+        return _freed(await self._call("DELETE", _path(session_id), session=session_id))
 
     async def pin(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.pin`."""
-        return _session(await self._call("POST", _path(session_id, "pin")))
+        return _session(await self._call("POST", _path(session_id, "pin"), session=session_id))
 
     async def unpin(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.unpin`."""
-        return _session(await self._call("POST", _path(session_id, "unpin")))
+        return _session(await self._call("POST", _path(session_id, "unpin"), session=session_id))
 
     async def prefetch(self, session_id: str) -> PrefetchResult:
         """See :meth:`KVCacheClient.prefetch`."""
-        return _prefetch(await self._call("POST", _path(session_id, "prefetch")))
+        path = _path(session_id, "prefetch")
+        return _prefetch(await self._call("POST", path, session=session_id))
 
     async def copy_session(
         self, source_id: str, target_id: str, *, overwrite: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.copy_session`."""
         body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return _session(await self._call("POST", _path(source_id, "copy"), body))
+        return _session(await self._call("POST", _path(source_id, "copy"), body, session=source_id))
 
     async def aclose(self) -> None:
         """Close the connection pool."""

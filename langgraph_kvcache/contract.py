@@ -13,6 +13,8 @@ engine-side connector (which must not import the server's heavy parts through it
   :class:`SessionList`, :class:`SessionDeleted`, :class:`PrefetchResult`. The server's routes
   return them as their FastAPI response models; the client parses them with ``from_dict``.
 * :data:`UNSET`: "leave this field as it is" in updates.
+* HTTP headers: :data:`SESSION_HEADER` (requests name their session for a router),
+  :data:`REPLICA_HEADER` (responses name the replica that answered).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = [
     "MAX_TTL_SECONDS",
     "MIN_TTL_SECONDS",
     "PREFETCH_OP",
+    "REPLICA_HEADER",
+    "SESSION_HEADER",
     "SESSION_ID_PATTERN",
     "SESSION_ID_RULE",
     "SYNC_OP",
@@ -77,6 +81,17 @@ def check_session_id(value: object, *, field: str = "session id") -> str:
             "(langgraph_kvcache.session_id_for(thread_id) derives one from any thread id)"
         )
     return value  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- HTTP headers
+SESSION_HEADER: Final = "X-Session-ID"
+"""Request header naming the session a request works on. ``ChatKVCache`` and the session
+client send it on every request that names a session, so a router that hashes it
+(``vllm-router --policy consistent_hash``) keeps a thread on one replica. The server reads the
+session from the body and the path only, never from this header."""
+REPLICA_HEADER: Final = "X-LGKV-Replica"
+"""Response header on every answer of the server: which replica answered (its
+``--replica-id``, by default ``<hostname>:<port>``)."""
 
 
 # ----------------------------------------------------------------------------- TTLs

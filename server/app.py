@@ -4,7 +4,8 @@
 templates, streaming, tool calls, ``/v1/models``, ``/health``, ``/metrics``...) from the
 namespace of :func:`server.engine.build_vllm_args`, adds
 
-* :class:`server.api.chat.SessionRequestMiddleware` (body cap, session/tenant rewrite),
+* :class:`server.api.chat.SessionRequestMiddleware` (body cap, session/tenant rewrite, the
+  ``X-LGKV-Replica`` response header),
 * the session API router (:mod:`server.api.sessions`),
 * our KV metrics on ``/metrics``,
 
@@ -70,7 +71,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     # yet, so drop it and let Starlette rebuild it with our middleware outermost.
     app.middleware_stack = None
     app.add_middleware(
-        SessionRequestMiddleware, max_body_bytes=config.max_body_bytes, keys=keys
+        SessionRequestMiddleware,
+        max_body_bytes=config.max_body_bytes,
+        keys=keys,
+        replica=config.replica_name,
     )
     vllm_lifespan = app.router.lifespan_context
 

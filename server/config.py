@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,7 @@ TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
 """Accepted ``--tool-strict-level`` values (vLLM's ``ToolStrictLevel`` names)."""
 KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
 """Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
+_REPLICA_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
 
 def _default_cache_dir() -> Path:
@@ -112,6 +115,14 @@ class ServerConfig:
         DEFAULT_PORT, flag="--port", env="LGKV_PORT", parse=parse_int, vllm=True, help="port"
     )
     """TCP port (0 is not allowed: clients must know it)."""
+
+    replica_id: str | None = setting(
+        None, flag="--replica-id", env="LGKV_REPLICA_ID",
+        help="replica name in the X-LGKV-Replica response header (default <hostname>:<port>)",
+    )  # fmt: skip
+    """Name of this server among several replicas behind a router: every response carries it
+    in the ``X-LGKV-Replica`` header, so a client sees which replica answered. ``None``:
+    ``<hostname>:<port>``. Visible ASCII, at most 200 characters."""
 
     api_keys: tuple[str, ...] = setting(
         (), flag="--api-key", env="LGKV_API_KEY", parse=parse_keys, many=True, vllm=True,
@@ -284,8 +295,19 @@ class ServerConfig:
                 check_ttl(self.kv_session_ttl, field="--kv-session-ttl/LGKV_KV_SESSION_TTL")
             except InvalidTTL as exc:
                 raise ConfigError(str(exc)) from None
+        if self.replica_id is not None and not _REPLICA_ID.fullmatch(self.replica_id):
+            raise ConfigError(
+                f"--replica-id/LGKV_REPLICA_ID must be 1-200 visible ASCII characters, "
+                f"got {self.replica_id!r}"
+            )
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key/LGKV_API_KEY must not contain empty keys")
+
+    @property
+    def replica_name(self) -> str:
+        """What the ``X-LGKV-Replica`` response header says: ``replica_id`` or
+        ``<hostname>:<port>``."""
+        return self.replica_id or f"{socket.gethostname()}:{self.port}"
 
     @property
     def disk_dir(self) -> Path:

@@ -13,6 +13,9 @@ every request, in this order and before any route runs:
    ``SamplingParams.extra_args``, where the connector reads them) and, with keys, a
    ``cache_salt`` that starts with the tenant's own salt.
 
+Every response carries the ``X-LGKV-Replica`` header
+(:data:`langgraph_kvcache.contract.REPLICA_HEADER`) naming the replica that answered.
+
 Routes that could reach the engine without this rewrite are not served at all
 (:func:`server.api.routes.restrict_routes`).
 """
@@ -25,7 +28,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from langgraph_kvcache.contract import XARG_SESSION, XARG_TENANT
+from langgraph_kvcache.contract import REPLICA_HEADER, XARG_SESSION, XARG_TENANT
 from server.api.auth import KeyRing
 from server.api.protocol import APIError, check_session_id, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
@@ -112,17 +115,23 @@ class _TooLarge(Exception):
 
 
 class SessionRequestMiddleware:
-    """Key check, body cap, JSON depth bound and :func:`rewrite_body` (see the module doc)."""
+    """Key check, body cap, JSON depth bound and :func:`rewrite_body`; the replica header on
+    every response (see the module doc)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, keys: KeyRing) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_body_bytes: int, keys: KeyRing, replica: str = ""
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keys = keys
+        self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        if scope["type"] == "http" and self.replica[1]:
+            send = _with_header(send, self.replica)
         headers = Headers(scope=scope)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         method = scope.get("method", "GET")
@@ -223,6 +232,17 @@ async def _options(scope: Scope, receive: Receive, send: Send) -> None:
         return
     allow = ", ".join(sorted(methods | {"OPTIONS"}))
     await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
+
+
+def _with_header(send: Send, header: tuple[bytes, bytes]) -> Send:
+    """``send`` that adds ``header`` to the response's start message."""
+
+    async def tagged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    return tagged
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

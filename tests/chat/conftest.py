@@ -39,6 +39,8 @@ class ChatReply:
     prompt_tokens: int = 11
     cached_tokens: int = 0
     completion_tokens: int = 5
+    status: int = 200
+    """Another status answers an OpenAI-shaped error instead (e.g. 502: a replica that died)."""
 
 
 @dataclass
@@ -59,6 +61,11 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+
+    def header(self, name: str) -> str | None:
+        """The value of header ``name`` (any case), ``None`` when it was not sent."""
+        found = [v for k, v in self.headers.items() if k.lower() == name.lower()]
+        return found[0] if found else None
 
 
 class RecordingServer:
@@ -106,8 +113,12 @@ class RecordingServer:
 
     def chat_bodies(self) -> list[dict[str, Any]]:
         """JSON bodies of the chat completion requests received so far."""
+        return [r.body for r in self.chat_requests()]
+
+    def chat_requests(self) -> list[Recorded]:
+        """The chat completion requests received so far."""
         with self._lock:
-            return [r.body for r in self.requests if r.path.endswith("/chat/completions")]
+            return [r for r in self.requests if r.path.endswith("/chat/completions")]
 
     # -- request handling (runs on the server's threads) --------------------------------------
     def _record(self, rec: Recorded) -> None:
@@ -199,7 +210,10 @@ def _make_handler(owner: RecordingServer) -> type[BaseHTTPRequestHandler]:
             owner._record(Recorded(self.command, self.path, dict(self.headers), body))
             if self.path.rstrip("/").endswith("/chat/completions"):
                 reply = owner._next_chat()
-                if body.get("stream"):
+                if reply.status != 200:
+                    error = {"message": "scripted failure", "type": "test", "code": reply.status}
+                    self._send(reply.status, json.dumps({"error": error}).encode())
+                elif body.get("stream"):
                     self._send(200, _sse(body, reply), "text/event-stream")
                 else:
                     self._send(200, json.dumps(_completion(body, reply)).encode())

@@ -13,6 +13,7 @@ from langgraph.graph.message import add_messages
 from pydantic import BaseModel
 
 from langgraph_kvcache import ChatKVCache, session_id_for
+from langgraph_kvcache.contract import SESSION_HEADER
 
 
 @pytest.fixture
@@ -23,7 +24,14 @@ def model(recorder: Any) -> ChatKVCache:
 
 
 def sent_sessions(recorder: Any) -> list[str | None]:
-    return [body.get("prompt_cache_key") for body in recorder.chat_bodies()]
+    """The session each chat request named; checks that its ``X-Session-ID`` header (what a
+    router hashes) names the same one as the body's ``prompt_cache_key``, or is absent."""
+    sessions = []
+    for request in recorder.chat_requests():
+        session = request.body.get("prompt_cache_key")
+        assert request.header(SESSION_HEADER) == session, (request.headers, session)
+        sessions.append(session)
+    return sessions
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -178,6 +186,22 @@ async def test_graph_async_streaming_node(recorder: Any, model: ChatKVCache) -> 
     assert final.usage_metadata["input_token_details"]["cache_read"] == 256
 
 
+def test_session_header_survives_extra_headers_and_retries(recorder: Any) -> None:
+    """A failed request (here HTTP 502, as a router answers for a replica that died) is sent
+    again by the OpenAI client with the same session header, so the router re-hashes it onto
+    a live replica; headers the caller adds stay."""
+    model = ChatKVCache(base_url=f"{recorder.url}/v1", max_retries=2)
+    recorder.queue_chat(status=502)
+    recorder.queue_chat(status=500)
+    recorder.queue_chat(content="third time")
+    reply = model.invoke(
+        "hi", config={"configurable": {"thread_id": "retry-1"}}, extra_headers={"X-Trace": "7"}
+    )
+    assert reply.content == "third time"
+    assert sent_sessions(recorder) == ["retry-1"] * 3
+    assert [r.header("X-Trace") for r in recorder.chat_requests()] == ["7"] * 3
+
+
 # ----------------------------------------------------------------------------- usage, streaming
 def test_invoke_reports_cached_prompt_tokens(recorder: Any, model: ChatKVCache) -> None:
     recorder.queue_chat(prompt_tokens=400, cached_tokens=384, completion_tokens=7)
@@ -193,7 +217,7 @@ def test_stream_sends_session_and_reports_usage(recorder: Any, model: ChatKVCach
     chunks = list(model.stream("hi", config={"configurable": {"thread_id": "st"}}))
     assert len(chunks) > 3
     body = recorder.chat_bodies()[0]
-    assert body["prompt_cache_key"] == "st"
+    assert sent_sessions(recorder) == ["st"]
     assert body["stream_options"] == {"include_usage": True}
     total: AIMessageChunk = chunks[0]
     for c in chunks[1:]:
@@ -234,7 +258,7 @@ def test_bind_tools_round_trip(recorder: Any, model: ChatKVCache) -> None:
         merged = merged + c
     assert merged.tool_calls[0]["args"] == {"a": 2, "b": 3}
     bodies = recorder.chat_bodies()
-    assert [b["prompt_cache_key"] for b in bodies] == ["tools", "tools"]
+    assert sent_sessions(recorder) == ["tools", "tools"]
     assert bodies[0]["tools"][0]["function"]["name"] == "add"
     assert bodies[0]["tool_choice"] == "required"
 
@@ -285,7 +309,7 @@ def test_prebuilt_react_agent_loop_uses_the_thread(recorder: Any, model: ChatKVC
     )
     assert out["messages"][-1].content == "2 + 3 = 5"
     bodies = recorder.chat_bodies()
-    assert [b["prompt_cache_key"] for b in bodies] == ["react-1", "react-1"]
+    assert sent_sessions(recorder) == ["react-1", "react-1"]
     # the second call carries the tool result after the first call's history (a growing prefix)
     assert bodies[1]["messages"][: len(bodies[0]["messages"])] == bodies[0]["messages"]
     assert bodies[1]["messages"][-1] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
@@ -306,4 +330,4 @@ def test_graph_token_streaming_uses_the_thread(recorder: Any, model: ChatKVCache
     assert "".join(tokens) == "root answer here"  # subgraph tokens need subgraphs=True
     bodies = recorder.chat_bodies()
     assert [b["stream"] for b in bodies] == [True, True]  # LangGraph asks for token streaming
-    assert [b["prompt_cache_key"] for b in bodies] == ["tok-1", "tok-1|research"]
+    assert sent_sessions(recorder) == ["tok-1", "tok-1|research"]

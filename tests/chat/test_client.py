@@ -23,6 +23,7 @@ from langgraph_kvcache.client import (
     SessionNotFoundError,
     TierUsage,
 )
+from langgraph_kvcache.contract import SESSION_HEADER
 from langgraph_kvcache.errors import KVCacheError
 
 
@@ -98,6 +99,10 @@ def test_every_endpoint_sends_the_contract_request(recorder: Any) -> None:
         ("DELETE", "/v1/sessions/t1", None),
     ]
     assert all(q.headers.get("Authorization") == "Bearer sk-test" for q in r.requests)
+    # every request that names a session says so in X-Session-ID (what a router hashes)
+    assert [q.header(SESSION_HEADER) for q in r.requests] == [
+        None, "t1|sub", "new", "t1", "t1", "t1", "t1", "t1", "t1",
+    ]  # fmt: skip
 
     assert [s.id for s in listed] == ["a", "b"]
     assert got == Session(
@@ -281,6 +286,8 @@ async def test_async_client_mirrors_the_sync_one(recorder: Any) -> None:
         ("GET", "/v1/sessions/a1"),
     ]
     assert r.requests[7].body == {"target_id": "a2", "overwrite": True}
+    sessions = [q.header(SESSION_HEADER) for q in r.requests]
+    assert sessions == ["a1", None, "a1", "a1", "a1", "a1", "a1", "a1", "a1", "a1"]
 
 
 @pytest.mark.asyncio(loop_scope="session")

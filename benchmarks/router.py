@@ -1,0 +1,379 @@
+"""Threads through ``vllm-router`` across two replicas sharing Redis; one replica killed mid-run.
+
+T threads (half hashed to replica-a, half to replica-b: their session ids are picked by asking
+the router where each candidate goes) run N turns each, all threads of a turn at once, greedy,
+every answer a fixed length (``ignore_eos``). During turn ``--kill-turn`` replica-a is killed
+(``kill -9`` of its process group) as soon as it has requests running. The same threads then run
+on a cache-off server (``--no-kv-offload --no-enable-prefix-caching``) and every answer is
+compared. Printed: each thread's replica and cached tokens per turn; whether every thread stayed
+on one replica before the kill and every replica-a thread moved to replica-b after it; the
+cached share of the moved threads' first turn on replica-b and replica-b's Redis block hits;
+requests in flight at the kill, the router's retries, the failed attempts the client saw and
+its errors; answers that differ from the cache-off run.
+
+    python benchmarks/router.py                       # 8 threads x 4 turns, SmolLM2
+    python benchmarks/router.py --model tiny --threads 4 --turns 3
+
+The suite runs a short version (tests/integration/cluster/test_router.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from examples.cluster import REPLICA_FLAGS, Cluster, ensure_redis  # noqa: E402
+from examples.router_process import RouterProcess  # noqa: E402
+from examples.server_process import ServerProcess  # noqa: E402
+from langgraph_kvcache.contract import REPLICA_HEADER, SESSION_HEADER  # noqa: E402
+
+TOPICS = ("rivers", "volcanoes", "libraries", "trains", "bees", "glaciers", "chess", "bread")
+QUESTIONS = (
+    "Tell me one surprising fact about {topic}.",
+    "Why is that so?",
+    "Give an example from a particular place.",
+    "What would you tell a child about it?",
+    "How has it changed over the last century?",
+    "Sum it up in one sentence.",
+)
+
+
+def preamble(session: str, run_id: str, topic: str) -> str:
+    """A thread's first message: unique to the thread and the run (so no KV block is shared
+    between threads, nor found left over from an earlier run) and some 300 tokens long."""
+    facts = " ".join(
+        f"Note {i} of conversation {session} in run {run_id}: we discuss {topic}, part {i}."
+        for i in range(12)
+    )
+    return f"You are a concise assistant. {facts}"
+
+
+# ----------------------------------------------------------------------------- one run
+@dataclass
+class Call:
+    """One turn of one thread as the client saw it."""
+
+    thread: str
+    turn: int
+    replica: str = "?"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    answer: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    """A run's calls, the HTTP attempts the client made, and the kill."""
+
+    calls: dict[tuple[str, int], Call] = field(default_factory=dict)
+    attempts: list[tuple[str, int, str]] = field(default_factory=list)
+    """``(session header, HTTP status, replica header)`` of every response the client got."""
+    killed_at: float | None = None
+    killed: str | None = None
+    marked_down_s: float | None = None
+    """Seconds from the kill until the router listed the killed replica as unhealthy."""
+
+    def replicas(self, thread: str) -> list[str]:
+        """The replica of each of ``thread``'s turns, in order."""
+        return [c.replica for (t, _), c in sorted(self.calls.items()) if t == thread]
+
+    def failed_attempts(self) -> list[tuple[str, int, str]]:
+        """Responses the client got that were not 200 (it retried or gave up)."""
+        return [a for a in self.attempts if a[1] != 200]
+
+    def in_flight_at_kill(self, on: str) -> list[Call]:
+        """Calls of threads on replica ``on`` that were running when it was killed."""
+        if self.killed_at is None:
+            return []
+        return [
+            c
+            for c in self.calls.values()
+            if c.started < self.killed_at < c.ended and self.replicas(c.thread)[0] == on
+        ]
+
+
+def _client(run: Run, lock: threading.Lock) -> httpx.Client:
+    def record(response: httpx.Response) -> None:
+        session = response.request.headers.get(SESSION_HEADER, "")
+        with lock:
+            run.attempts.append(
+                (session, response.status_code, response.headers.get(REPLICA_HEADER, ""))
+            )
+
+    return httpx.Client(timeout=600, event_hooks={"response": [record]})
+
+
+def run_threads(
+    base_url: str,
+    model: str,
+    sessions: Sequence[str],
+    turns: int,
+    *,
+    run_id: str,
+    max_tokens: int = 16,
+    before_turn: Callable[[int, Run], None] | None = None,
+    max_retries: int = 2,
+) -> Run:
+    """Each of ``sessions`` runs ``turns`` turns, all sessions of a turn at once, through
+    ``ChatKVCache`` (greedy, ``max_tokens`` tokens per answer, the OpenAI client's
+    ``max_retries``). ``before_turn(turn, run)`` runs just after a turn's requests are sent."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from langgraph_kvcache import ChatKVCache
+
+    run, lock = Run(), threading.Lock()
+    http = _client(run, lock)
+    llm = ChatKVCache(
+        base_url=base_url.rstrip("/") + "/v1", model=model, max_tokens=max_tokens,
+        include_response_headers=True, extra_body={"ignore_eos": True}, max_retries=max_retries,
+        timeout=600, http_client=http,
+    )  # fmt: skip
+    history: dict[str, list[Any]] = {
+        s: [SystemMessage(preamble(s, run_id, TOPICS[i % len(TOPICS)]))]
+        for i, s in enumerate(sessions)
+    }
+
+    def one(session: str, turn: int) -> None:
+        topic = TOPICS[sessions.index(session) % len(TOPICS)]
+        messages = [
+            *history[session],
+            HumanMessage(QUESTIONS[turn % len(QUESTIONS)].format(topic=topic)),
+        ]
+        call = Call(session, turn, started=time.monotonic())
+        run.calls[(session, turn)] = call
+        try:
+            reply = llm.invoke(messages, session_id=session)
+        except Exception as exc:  # the client gave up: counted, the thread stops here
+            call.error = f"{type(exc).__name__}: {exc}"
+            call.ended = time.monotonic()
+            return
+        call.ended = time.monotonic()
+        usage = reply.usage_metadata or {}
+        call.prompt_tokens = int(usage.get("input_tokens", 0))
+        call.cached_tokens = int((usage.get("input_token_details") or {}).get("cache_read", 0))
+        call.answer = str(reply.content)
+        headers = {k.lower(): v for k, v in (reply.response_metadata.get("headers") or {}).items()}
+        call.replica = str(headers.get(REPLICA_HEADER.lower(), "?"))
+        history[session] = [*messages, AIMessage(call.answer)]
+
+    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+        for turn in range(turns):
+            live = [
+                s for s in sessions if all(run.calls[(s, t)].error is None for t in range(turn))
+            ]
+            futures = [pool.submit(one, s, turn) for s in live]
+            if before_turn is not None:
+                before_turn(turn, run)
+            for f in futures:
+                f.result()
+    http.close()
+    return run
+
+
+def running_requests(server_url: str) -> float:
+    """``vllm:num_requests_running`` of a server (0 when it does not answer)."""
+    try:
+        text = httpx.get(server_url + "/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    found = re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+(\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def redis_hit_blocks(server_url: str) -> float:
+    """The server's ``lgkv_hit_blocks_total{tier="redis"}``."""
+    text = httpx.get(server_url + "/metrics", timeout=10).text
+    found = re.findall(r'^lgkv_hit_blocks_total\{[^}]*tier="redis"[^}]*\}\s+(\S+)$', text, re.M)
+    return sum(float(v) for v in found)
+
+
+def kill_when_busy(
+    url: str, kill: Callable[[], None], name: str, at_turn: int, router: RouterProcess
+) -> Callable[[int, Run], None]:
+    """A ``before_turn`` hook: at ``at_turn``, call ``kill`` (a kill -9 of the replica at
+    ``url``) once that replica runs a request, and time how long ``router`` takes to list it as
+    unhealthy (on a side thread)."""
+
+    def watch(run: Run) -> None:
+        assert run.killed_at is not None
+        router.wait_worker_health(url, healthy=False, timeout_s=120)
+        run.marked_down_s = time.monotonic() - run.killed_at
+
+    def hook(turn: int, run: Run) -> None:
+        if turn != at_turn:
+            return
+        deadline = time.monotonic() + 120
+        while running_requests(url) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        run.killed_at, run.killed = time.monotonic(), name
+        kill()
+        threading.Thread(target=watch, args=(run,), daemon=True).start()
+
+    return hook
+
+
+def pick_sessions(
+    router_url: str, model: str, per_replica: dict[str, int], prefix: str
+) -> list[str]:
+    """Session ids, ``per_replica[name]`` of them hashed to each replica: each candidate is
+    sent once through the router without a session (one token, nothing recorded) and the
+    ``X-LGKV-Replica`` header says where its ``X-Session-ID`` went. Interleaved a, b, a, b..."""
+    wanted = dict(per_replica)
+    chosen: dict[str, list[str]] = {name: [] for name in wanted}
+    with httpx.Client(base_url=router_url, timeout=120) as http:
+        for i in range(200):
+            if not any(wanted.values()):
+                break
+            candidate = f"{prefix}-{i}"
+            r = http.post(
+                "/v1/chat/completions",
+                headers={SESSION_HEADER: candidate},
+                json={
+                    "model": model,
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
+            r.raise_for_status()
+            name = r.headers[REPLICA_HEADER]
+            if wanted.get(name, 0) > 0:
+                wanted[name] -= 1
+                chosen[name].append(candidate)
+    if any(wanted.values()):
+        raise RuntimeError(f"the router sent too few of 200 candidates to {wanted}")
+    columns = list(chosen.values())
+    return [s for row in zip(*columns, strict=False) for s in row] + [
+        s for col in columns for s in col[len(min(columns, key=len)) :]
+    ]
+
+
+# ----------------------------------------------------------------------------- the report
+def differing(ours: Run, reference: Run) -> list[tuple[str, int]]:
+    """(thread, turn) whose answer differs from the reference's (or is missing)."""
+    return [
+        key
+        for key, call in reference.calls.items()
+        if key not in ours.calls or ours.calls[key].answer != call.answer
+    ]
+
+
+def report(run: Run, reference: Run, *, victim: str, kill_turn: int, redis_hits: float,
+           router_retries: float) -> list[str]:  # fmt: skip
+    """The printed figures, one string per line."""
+    threads = sorted({t for t, _ in run.calls}, key=lambda t: list(run.calls).index((t, 0)))
+    lines = ["thread | replica per turn | cached / prompt tokens per turn"]
+    for t in threads:
+        calls = [c for (tt, _), c in sorted(run.calls.items()) if tt == t]
+        reps = " ".join(c.replica.removeprefix("replica-") if not c.error else "ERR" for c in calls)
+        toks = "  ".join(f"{c.cached_tokens}/{c.prompt_tokens}" for c in calls)
+        lines.append(f"{t} | {reps} | {toks}")
+    before = [t for t in threads if len(set(run.replicas(t)[:kill_turn])) == 1]
+    on_victim = [t for t in threads if run.replicas(t)[0] == victim]
+    moved = [t for t in on_victim if set(run.replicas(t)[kill_turn:]) - {victim}]
+    first_moved = [run.calls[(t, kill_turn)] for t in on_victim if (t, kill_turn) in run.calls]
+    prompt = sum(c.prompt_tokens for c in first_moved)
+    cached = sum(c.cached_tokens for c in first_moved)
+    in_flight = run.in_flight_at_kill(victim)
+    errors = [c for c in run.calls.values() if c.error]
+    wrong = differing(run, reference)
+    lines += [
+        f"threads on one replica before the kill: {len(before)}/{len(threads)}",
+        f"{victim}'s threads moved after the kill: {len(moved)}/{len(on_victim)}",
+        f"moved threads' first turn after the kill: {cached}/{prompt} prompt tokens cached "
+        f"({cached / max(prompt, 1):.1%}); the surviving replica's Redis block hits: "
+        f"{redis_hits:.0f}",
+        f"in flight on {victim} at the kill: {len(in_flight)}; router retries: "
+        f"{router_retries:.0f}; failed attempts seen by the client: "
+        f"{len(run.failed_attempts())}; client errors: {len(errors)}",
+        f"router marked {victim} down {run.marked_down_s:.1f} s after the kill"
+        if run.marked_down_s is not None else "router did not mark a killed replica down",
+        f"answers differing from the cache-off run: {len(wrong)}/{len(reference.calls)}",
+    ]  # fmt: skip
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/router.py``: the full scenario with figures."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--kill-turn", type=int, default=3, help="1-based turn during which "
+                   "replica-a is killed (0: never)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--model", default=None, help="model folder, or 'tiny' (default SmolLM2)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--ports", type=int, nargs=3, default=None,
+                   help="replica-a, replica-b and the cache-off server's ports")  # fmt: skip
+    p.add_argument("--router-port", type=int, default=None)
+    p.add_argument("--metrics-port", type=int, default=None)
+    args = p.parse_args(argv)
+    model: str | None = args.model
+    if model == "tiny":
+        from server.model import build_tiny_model, default_cache_dir, default_model_dir
+
+        model = str(build_tiny_model(default_cache_dir() / "models" / "tiny-llama-h32",
+                                     tokenizer_from=default_model_dir()))  # fmt: skip
+    flags = [*REPLICA_FLAGS, "--served-model-name", "bench-model"]
+    run_id = uuid.uuid4().hex[:8]
+    ports = args.ports or [None, None, None]
+    plain = ServerProcess(None, [*flags, "--no-kv-offload", "--no-enable-prefix-caching"],
+                          model=model, port=ports[2])  # fmt: skip
+    with ensure_redis(args.redis_url), Cluster(
+        args.redis_url, model=model, flags=flags, ports=ports[:2],
+        router_port=args.router_port, metrics_port=args.metrics_port,
+    ) as cluster:  # fmt: skip
+        plain.start()
+        try:
+            half = args.threads // 2
+            sessions = pick_sessions(cluster.url, "bench-model",
+                                     {"replica-a": args.threads - half, "replica-b": half},
+                                     f"bench-{run_id}")  # fmt: skip
+            victim, survivor = cluster.replica("replica-a"), cluster.replica("replica-b")
+            hits0, retries0 = (
+                redis_hit_blocks(survivor.url),
+                cluster.router.metric("vllm_router_retries_total"),
+            )
+            hook = (
+                kill_when_busy(
+                    victim.url, victim.kill, "replica-a", args.kill_turn - 1, cluster.router
+                )
+                if args.kill_turn
+                else None
+            )
+            t0 = time.monotonic()
+            run = run_threads(cluster.url, "bench-model", sessions, args.turns, run_id=run_id,
+                              max_tokens=args.max_tokens, before_turn=hook)  # fmt: skip
+            wall = time.monotonic() - t0
+            hits = redis_hit_blocks(survivor.url) - hits0
+            retries = cluster.router.metric("vllm_router_retries_total") - retries0
+            reference = run_threads(plain.url, "bench-model", sessions, args.turns,
+                                    run_id=run_id, max_tokens=args.max_tokens)  # fmt: skip
+        finally:
+            plain.stop()
+    print(f"\n{args.threads} threads x {args.turns} turns through vllm-router, kill -9 of "
+          f"replica-a during turn {args.kill_turn}; {wall:.0f} s")  # fmt: skip
+    for line in report(run, reference, victim="replica-a", kill_turn=max(args.kill_turn - 1, 0),
+                       redis_hits=hits, router_retries=retries):  # fmt: skip
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
