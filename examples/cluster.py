@@ -21,7 +21,7 @@ What it does, in order (and undoes, in reverse, on exit, Ctrl-C or any error):
    the thread's KV from Redis.
 
 :class:`Cluster` (replicas + router as one context manager) is also what
-``benchmarks/router.py`` and ``tests/integration/cluster/`` start.
+``benchmarks/router.py`` starts.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ def replicas(start_server: Any, request: pytest.FixtureRequest) -> Iterator[dict
     yield dict(zip(NAMES, started, strict=True))
     for server in started:
         server.stop()
+    redis.Redis.from_url(REDIS_URL).flushdb()  # db 13 is this module's alone
 
 
 @pytest.fixture(scope="module")
