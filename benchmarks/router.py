@@ -208,7 +208,8 @@ def kill_when_busy(
     url: str, kill: Callable[[], None], name: str, at_turn: int, router: RouterProcess
 ) -> Callable[[int, Run], None]:
     """A ``before_turn`` hook: at ``at_turn``, call ``kill`` (a kill -9 of the replica at
-    ``url``) once that replica runs a request, and time how long ``router`` takes to list it as
+    ``url``, named ``name``) once that replica runs a request and a request of its threads
+    has not come back to the client, and time how long ``router`` takes to list it as
     unhealthy (on a side thread)."""
 
     def watch(run: Run) -> None:
@@ -219,8 +220,16 @@ def kill_when_busy(
     def hook(turn: int, run: Run) -> None:
         if turn != at_turn:
             return
+
+        def pending() -> bool:  # a request of the victim's threads has not come back yet
+            calls = list(run.calls.values())
+            return any(c.turn == turn and not c.ended and run.replicas(c.thread)[0] == name
+                       for c in calls)  # fmt: skip
+
         deadline = time.monotonic() + 120
-        while running_requests(url) < 1 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if pending() and running_requests(url) >= 1 and pending():
+                break
             time.sleep(0.02)
         run.killed_at, run.killed = time.monotonic(), name
         kill()

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 THREADS, TURNS, KILL_TURN = 8, 4, 2  # KILL_TURN counts from 0: the third turn
-MAX_TOKENS = 16
+MAX_TOKENS = 32
 BLOCK = 128  # the test engines' KV block (vLLM's CPU default)
 NAMES = ("replica-a", "replica-b")
 
