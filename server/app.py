@@ -139,14 +139,20 @@ def _open_control(config: ServerConfig, engine: Any) -> Any:
     if not config.kv_offload:
         log.info("KV offload is off (--no-kv-offload): the session API answers 503")
         return None
+    from server.config import redis_namespace
+    from server.engine import resolve_model
     from server.kv.control import SessionControl
 
     config.cache_dir.mkdir(parents=True, exist_ok=True)
-    return SessionControl(
+    control = SessionControl(
         config.cache_dir,
         default_ttl_s=config.kv_session_ttl,
         engine_client=engine,
+        redis_url=config.kv_redis_url,
+        namespace=redis_namespace(config, resolve_model(config)[1]),
     )
+    control.watch_drops()  # sessions in Redis: other replicas' deletes wake this engine
+    return control
 
 
 def _register_metrics(control: Any) -> SessionMetricsCollector | None:

@@ -53,6 +53,7 @@ __all__ = [
     "parse_bool",
     "parse_seconds",
     "parse_size",
+    "redis_namespace",
     "settings_table",
 ]
 
@@ -187,6 +188,18 @@ class ServerConfig:
         help="shared Redis tier, redis://host:6379/0",
     )  # fmt: skip
     """``redis://host:port/db`` of a shared Redis tier (replicas share KV); ``None``: off."""
+
+    kv_redis_namespace: str | None = setting(
+        None, flag="--kv-redis-namespace", env="LGKV_KV_REDIS_NAMESPACE",
+        connector="redis_namespace",
+        help="namespace of the sessions in Redis (default: the served model name)",
+    )  # fmt: skip
+    """With ``--kv-redis-url``, sessions (rows, block lists, pins, TTLs, the drops and changes
+    feeds) live in Redis under ``lgkv:reg:{<namespace>}:``, so every replica answers the
+    session API for every session. Replicas behind one router must share it; ``None``: the
+    served model name (what clients send as ``model``), so replicas of one model share their
+    sessions and another model's never mix in. Characters outside ``A-Za-z0-9._:/@+=-``
+    become ``_``."""
 
     kv_offload_dtype: str = setting(
         "auto", flag="--kv-offload-dtype", env="LGKV_KV_OFFLOAD_DTYPE", parse=parse_lower,
@@ -407,6 +420,14 @@ def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any
         if s.connector is not None:
             out[s.connector] = _wire(getattr(config, name))
     return out
+
+
+def redis_namespace(config: ServerConfig, served_name: str) -> str:
+    """The Redis session namespace of a server: ``--kv-redis-namespace``, else its served
+    model name; characters outside ``A-Za-z0-9._:/@+=-`` become ``_`` (a Redis key glob or
+    a Cluster hash tag never sees them)."""
+    raw = config.kv_redis_namespace or served_name or "default"
+    return re.sub(r"[^A-Za-z0-9._:/@+=\-]", "_", raw)
 
 
 def connector_defaults() -> dict[str, Any]:

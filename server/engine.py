@@ -26,6 +26,7 @@ from server.config import (
     ConfigError,
     ServerConfig,
     connector_extra_config,
+    redis_namespace,
 )
 
 if TYPE_CHECKING:
@@ -138,7 +139,10 @@ def vllm_argv(config: ServerConfig) -> list[str]:
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
-            "kv_connector_extra_config": connector_extra_config(config, model),
+            "kv_connector_extra_config": {
+                **connector_extra_config(config, model),
+                "redis_namespace": redis_namespace(config, served_name),
+            },
         }
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     return argv + list(config.vllm_args)

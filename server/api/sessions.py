@@ -2,8 +2,9 @@
 
 Routes sit under ``/v1`` and so behind the same bearer-key check as the OpenAI routes; each
 request acts for its own tenant (a session of another tenant is a 404). Registry calls are
-blocking SQLite work and run in a worker thread. With ``--no-kv-offload`` every route answers
-503.
+blocking SQLite (or Redis) work and run in a worker thread. With ``--no-kv-offload`` every
+route answers 503, and so does a route whose sessions' Redis (``--kv-redis-url``) is
+unreachable (the message says so).
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from server.kv.control import SessionExists, SessionNotFound
+    from server.kv.control import RegistryUnavailable, SessionExists, SessionNotFound
 
     try:
         return await runner(*args, **kwargs)
+    except RegistryUnavailable as exc:  # sessions in Redis, and Redis is down
+        raise APIError(503, str(exc)) from exc
     except SessionNotFound as exc:
         raise APIError(404, str(exc) or "no such session") from exc
     except SessionExists as exc:

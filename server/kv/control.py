@@ -60,7 +60,10 @@ from langgraph_kvcache.contract import (
     check_session_id,
     check_ttl,
 )
-from server.kv.registry import Registry, SessionRow, TierCount
+from server.kv.drop_watch import DropWatcher
+from server.kv.registry_api import RegistryUnavailable
+from server.kv.registry_shared import SharedRegistry, open_registry
+from server.kv.registry_sql import SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,7 @@ class SessionExists(ValueError):
 __all__ = [
     "UNSET",
     "InvalidSessionId",
+    "RegistryUnavailable",
     "Session",
     "SessionControl",
     "SessionExists",
@@ -123,11 +127,18 @@ class SessionControl:
         *,
         default_ttl_s: float | None = None,
         engine_client: object | None = None,
+        redis_url: str | None = None,
+        namespace: str = "default",
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.default_ttl_s = default_ttl_s
         self.engine_client = engine_client
-        self.registry = Registry(self.cache_dir / REGISTRY_FILE)
+        self.registry = open_registry(
+            self.cache_dir / REGISTRY_FILE, redis_url=redis_url, namespace=namespace
+        )
+        """Sessions in the SQLite file, or in Redis (shared by the replicas) with
+        ``redis_url``; this replica's block locations and counters in the file either way."""
+        self._watcher: DropWatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         """The event loop the engine client runs on (built inside it, as the app does)."""
         if engine_client is not None:
@@ -239,15 +250,37 @@ class SessionControl:
         return {"blocks": row.num_blocks, "ram_blocks": usage["ram"].blocks}
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples (engine counters from the registry)."""
+        """Prometheus samples: this replica's engine counters (local), and the number of
+        sessions (of every replica with Redis; left out while Redis is unreachable)."""
         stored = self.registry.stats()
         out = {name: float(stored.get(name, 0.0)) for name in _COUNTERS}
         out.update({k: v for k, v in stored.items() if k.startswith("lgkv_kv_compression_ratio")})
-        out["lgkv_sessions"] = float(self.registry.count_sessions())
+        try:
+            out["lgkv_sessions"] = float(self.registry.count_sessions())
+        except RegistryUnavailable as exc:
+            log.warning("lgkv_sessions left out of /metrics: %s", exc)
         return out
 
+    def watch_drops(self) -> None:
+        """With sessions in Redis: wake this replica's engine (a ``sync``) whenever any
+        replica records drops, so an idle engine removes the freed blocks at once rather than
+        at its next request. Call on the engine client's event loop; no-op without Redis."""
+        if not isinstance(self.registry, SharedRegistry) or self._watcher is not None:
+            return
+        loop = self._loop
+
+        def wake() -> None:
+            if loop is not None and not loop.is_closed():
+                future = asyncio.run_coroutine_threadsafe(self.settle(), loop)
+                with contextlib.suppress(Exception):
+                    future.result(timeout=CATCH_UP_TIMEOUT_S)
+
+        self._watcher = DropWatcher(self.registry.sessions, wake)
+
     def close(self) -> None:
-        """Close the registry connection."""
+        """Stop the drops watcher; close the registry connections."""
+        if self._watcher is not None:
+            self._watcher.close()
         with contextlib.suppress(Exception):
             self.registry.close()
 
@@ -255,7 +288,9 @@ class SessionControl:
         """Block until the engine committed every turn that finished before this call and
         applied every change recorded so far (a ``BARRIER_OP``; see the module docstring). Runs
         in the caller's thread (the routes call from a worker thread); does nothing without an
-        engine client or when called on the engine's event loop itself."""
+        engine client or when called on the engine's event loop itself. Raises
+        :class:`RegistryUnavailable` first when the sessions' Redis does not answer."""
+        self.registry.ping()  # Redis down: RegistryUnavailable (503) now, not after the wait
         loop = self._loop
         if self.engine_client is None or loop is None or loop.is_closed():
             return

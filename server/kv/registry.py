@@ -11,6 +11,12 @@ Tables:
 - ``stats``: the engine's counters (added as deltas) and gauges (set), read by ``metrics()``.
 - ``changes``: (tenant, session id) of every session write, in the write's transaction; the
   engine's registry thread reads new rows as increments (:meth:`Registry.changes_after`).
+- ``cursors``: feed positions this engine saved (with sessions in Redis: where it resumes the
+  shared drops stream after a restart).
+
+It implements both parts of :mod:`server.kv.registry_api`: sessions (the default, one node)
+and the local part (block locations, counters), which stays here when sessions live in Redis
+(:class:`server.kv.registry_shared.SharedRegistry`).
 
 Every method opens its own short transaction; a connection is shared by the threads of one
 process behind a lock. Writers use ``BEGIN IMMEDIATE`` and a busy timeout, so two processes
@@ -26,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from server.kv.registry_local import LocalTables
 from server.kv.registry_sql import (
     DROPS_KEPT,
     SESSION_COLS,
@@ -41,7 +48,7 @@ from server.kv.registry_sql import (
 __all__ = ["Registry", "SessionRow", "TierCount"]
 
 
-class Registry:
+class Registry(LocalTables):
     """Typed access to the registry file; safe for several threads and several processes."""
 
     def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
@@ -76,6 +83,9 @@ class Registry:
     def _read(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
         with self._lock:
             return self._db.execute(sql, tuple(args)).fetchall()
+
+    def ping(self) -> None:
+        """A local file is always reachable (the session store interface's check)."""
 
     def data_version(self) -> int:
         """A number that changes whenever another connection commits (cheap change check)."""
@@ -322,44 +332,11 @@ class Registry:
             finally:
                 self._db.execute("COMMIT")
 
-    # ------------------------------------------------------------------- blocks
-
-    def set_block_tiers(self, updates: dict[str, tuple[bool, bool, bool, int]]) -> None:
-        """Publish where blocks are: key -> (in RAM, on disk, in Redis, bytes); rows in no
-        tier go."""
-        if not updates:
-            return
-        with self._write() as db:
-            for key, (ram, disk, redis, nbytes) in updates.items():
-                if ram or disk or redis:
-                    db.execute(
-                        "INSERT INTO blocks (key, nbytes, ram, disk, redis) VALUES (?, ?, ?, ?, ?) "
-                        "ON CONFLICT(key) DO UPDATE SET nbytes = excluded.nbytes, "
-                        "ram = excluded.ram, disk = excluded.disk, redis = excluded.redis",
-                        (key, nbytes, int(ram), int(disk), int(redis)),
-                    )
-                else:
-                    db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-
-    def reset_block_tiers(self) -> None:
-        """Forget all published locations (the engine republishes them at start)."""
-        with self._write() as db:
-            db.execute("DELETE FROM blocks")
-
     def tier_usage(self, tenant: str, session_id: str) -> dict[str, TierCount]:
         """Blocks and bytes of a session's distinct blocks per tier ("ram", "disk", "redis")."""
-        row = self._read(
-            "SELECT coalesce(sum(b.ram), 0), coalesce(sum(b.ram * b.nbytes), 0), "
-            "coalesce(sum(b.disk), 0), coalesce(sum(b.disk * b.nbytes), 0), "
-            "coalesce(sum(b.redis), 0), coalesce(sum(b.redis * b.nbytes), 0) FROM blocks b "
-            "WHERE b.key IN (SELECT key FROM session_blocks WHERE tenant = ? AND session_id = ?)",
-            (tenant, session_id),
-        )[0]
-        return {
-            "ram": TierCount(int(row[0]), int(row[1])),
-            "disk": TierCount(int(row[2]), int(row[3])),
-            "redis": TierCount(int(row[4]), int(row[5])),
-        }
+        return self.block_usage(self.session_keys(tenant, session_id))
+
+    # -------------------------------------------------------------------- drops
 
     def add_drops(self, keys: Iterable[str]) -> None:
         """Record freed block keys for the engine (which drops them in every tier)."""
@@ -375,24 +352,10 @@ class Registry:
         """The newest drop sequence number (0 when none)."""
         return int(self._read("SELECT coalesce(max(seq), 0) FROM drops")[0][0])
 
-    # -------------------------------------------------------------------- stats
+    def resume_drops(self) -> int:
+        """A starting engine reads drops recorded from now on (the API process that records
+        them runs beside it, and stops with it)."""
+        return self.last_drop_seq()
 
-    def add_stats(self, counters: dict[str, float], gauges: dict[str, float]) -> None:
-        """Add ``counters`` to the stored totals and overwrite ``gauges``."""
-        with self._write() as db:
-            for name, delta in counters.items():
-                db.execute(
-                    "INSERT INTO stats (name, value) VALUES (?, ?) "
-                    "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
-                    (name, delta),
-                )
-            for name, value in gauges.items():
-                db.execute(
-                    "INSERT INTO stats (name, value) VALUES (?, ?) "
-                    "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
-                    (name, value),
-                )
-
-    def stats(self) -> dict[str, float]:
-        """All stored counters and gauges."""
-        return {name: float(value) for name, value in self._read("SELECT name, value FROM stats")}
+    def drops_read(self, seq: int) -> None:
+        """Nothing to save: :meth:`resume_drops` starts at the newest drop."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.kv.registry import Registry, SessionRow
+from server.kv.registry_api import Cursor, EngineRegistry
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class _Publish:
             self.counters[name] = self.counters.get(name, 0.0) + value
         self.gauges.update(other.gauges)
 
-    def run(self, reg: Registry) -> None:
+    def run(self, reg: EngineRegistry) -> None:
         reg.set_block_tiers(self.updates)
         reg.add_stats(self.counters, self.gauges)
 
@@ -100,9 +101,9 @@ class _Publish:
 @dataclass
 class _Write:
     what: str
-    fn: Callable[[Registry], object]
+    fn: Callable[[EngineRegistry], object]
 
-    def run(self, reg: Registry) -> None:
+    def run(self, reg: EngineRegistry) -> None:
         self.fn(reg)
 
 
@@ -127,8 +128,12 @@ class RegistrySync:
         purge_every_s: float = 10.0,
         retry_s: float = 0.2,
         give_up_s: float = 120.0,
+        opener: Callable[[], EngineRegistry] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._opener = opener or (lambda: Registry(self.path, busy_timeout_s=busy_timeout_s))
+        """Opens the registry on the thread: the SQLite file at ``path`` by default, or
+        :func:`server.kv.registry_shared.open_registry` with sessions in Redis."""
         self.busy_timeout_s = busy_timeout_s
         self.poll_s = poll_s
         self.purge_every_s = purge_every_s
@@ -141,7 +146,9 @@ class RegistrySync:
         self._answered = 0
         self._closing = False
         self._opened = threading.Event()
-        self._registry: Registry | None = None
+        self._registry: EngineRegistry | None = None
+        self._drop_seq: Cursor = 0
+        self._change_seq: Cursor = 0
         self._failing_since: float | None = None
         self._warned_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="lgkv-registry", daemon=True)
@@ -149,7 +156,7 @@ class RegistrySync:
 
     # ------------------------------------------------------- scheduler side (no I/O)
 
-    def write(self, what: str, fn: Callable[[Registry], object]) -> None:
+    def write(self, what: str, fn: Callable[[EngineRegistry], object]) -> None:
         """Queue a write: ``fn`` runs on the thread with the connection (``what`` names it in
         warnings). ``fn`` must capture its arguments by value."""
         self._put(_Write(what, fn))
@@ -196,7 +203,7 @@ class RegistrySync:
         return True
 
     @property
-    def registry(self) -> Registry:
+    def registry(self) -> EngineRegistry:
         """The thread's connection, once open (blocks until then). Tests and tools only."""
         if not self._opened.wait(60.0) or self._registry is None:
             raise RuntimeError(f"session registry {self.path} did not open")
@@ -248,13 +255,16 @@ class RegistrySync:
                 time.sleep(self.retry_s)
         reg.close()
 
-    def _open(self) -> Registry | None:
+    def _open(self) -> EngineRegistry | None:
         warned = False
         while not self._closing:
+            reg: EngineRegistry | None = None
             try:
-                reg = Registry(self.path, busy_timeout_s=self.busy_timeout_s)
+                reg = self._opener()
                 self._start(reg)
             except Exception as exc:
+                if reg is not None:
+                    reg.close()
                 if not warned:
                     log.warning("session registry %s unavailable (%s); retrying", self.path, exc)
                     warned = True
@@ -266,14 +276,15 @@ class RegistrySync:
         self._opened.set()
         return None
 
-    def _start(self, reg: Registry) -> None:
-        self._drop_seq = reg.last_drop_seq()
+    def _start(self, reg: EngineRegistry) -> None:
+        self._drop_seq = reg.resume_drops()
+        reg.drops_read(self._drop_seq)  # a restart resumes from here at the latest
         self._change_seq = reg.change_seq()
         self._version = reg.data_version()
         self._last_purge = time.monotonic()
         self._events.append(Snapshot(*reg.policy_snapshot()))
 
-    def _run_jobs(self, reg: Registry) -> bool:
+    def _run_jobs(self, reg: EngineRegistry) -> bool:
         """Run queued jobs until none is left or one fails; True if any wrote."""
         wrote = False
         while True:
@@ -300,9 +311,11 @@ class RegistrySync:
         what = job.what if isinstance(job, _Write) else "stats publish"
         if self._failing_since is None:
             self._failing_since = now
-            log.warning("session registry busy (%s); retrying %s", exc, what)
+            log.warning("session registry busy or unreachable (%s); retrying %s", exc, what)
         if now - self._failing_since > self.give_up_s:
-            log.warning("session registry busy for %.0f s: %s dropped", self.give_up_s, what)
+            log.warning(
+                "session registry busy or unreachable for %.0f s: %s dropped", self.give_up_s, what
+            )
             self._failing_since = None
             return
         with self._cond:
@@ -314,14 +327,14 @@ class RegistrySync:
             self._answered = max(self._answered, token)
             self._cond.notify_all()
 
-    def _purge(self, reg: Registry) -> None:
+    def _purge(self, reg: EngineRegistry) -> None:
         self._last_purge = time.monotonic()
         try:
             reg.purge_expired()  # its drops and changes are read by the next poll
         except Exception as exc:
             self._warn_poll(f"could not purge expired sessions ({exc}); retrying later")
 
-    def _poll(self, reg: Registry, *, force: bool) -> None:
+    def _poll(self, reg: EngineRegistry, *, force: bool) -> None:
         """Read new drops and changed sessions (increments); purge when it is time."""
         if time.monotonic() - self._last_purge > self.purge_every_s:
             self._purge(reg)
@@ -330,9 +343,12 @@ class RegistrySync:
             version = reg.data_version()
             if version == self._version and not force:
                 return
-            self._drop_seq, dropped = reg.drops_after(self._drop_seq)
+            drop_seq, dropped = reg.drops_after(self._drop_seq)
             if dropped:
                 self._events.append(Dropped(dropped))
+            if drop_seq != self._drop_seq:
+                reg.drops_read(drop_seq)
+                self._drop_seq = drop_seq
             seq, changed = reg.changes_after(self._change_seq)
             if changed is None:
                 self._events.append(Snapshot(*reg.policy_snapshot()))

@@ -44,7 +44,8 @@ from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, W
 from server.kv.policy import EvictionPolicy
 from server.kv.publisher import Publisher
 from server.kv.redis_lookups import RedisLookups
-from server.kv.registry import Registry
+from server.kv.registry_api import EngineRegistry
+from server.kv.registry_shared import open_registry
 from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.settings import ConnectorSettings
 from server.kv.tails import TailBook, TailHit
@@ -97,8 +98,17 @@ class SessionKVScheduler:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.file_bytes = file_bytes
-        self.sync = sync or RegistrySync(settings.registry_path)
-        """Every registry read and write of the engine, on its own thread."""
+        self.sync = sync or RegistrySync(
+            settings.registry_path,
+            opener=lambda: open_registry(
+                settings.registry_path,
+                redis_url=settings.redis_url,
+                namespace=settings.registry_namespace,
+                busy_timeout_s=2.0,
+            ),
+        )
+        """Every registry read and write of the engine, on its own thread (sessions in Redis
+        when ``redis_url`` is set)."""
         self.redis = redis
         self.redis_lookups = RedisLookups(redis) if redis is not None else None
         self.publisher = Publisher(
@@ -366,7 +376,7 @@ class SessionKVScheduler:
             self.redis_lookups.close()
 
     @property
-    def registry(self) -> Registry:
+    def registry(self) -> EngineRegistry:
         """The registry thread's connection (tests and tools; blocks until it is open)."""
         return self.sync.registry
 

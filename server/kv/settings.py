@@ -55,6 +55,10 @@ class ConnectorSettings:
     redis_url: str | None = None
     """Optional Redis URL of a shared tier (every saved block also goes there, with a TTL)."""
 
+    redis_namespace: str | None = None
+    """Namespace of the sessions in Redis (with ``redis_url``); None: :attr:`registry_namespace`
+    falls back to ``model_id``. Replicas that share sessions must share it."""
+
     default_ttl_s: float | None = None
     """TTL given to sessions created implicitly by a request (None: no expiry)."""
 
@@ -67,8 +71,14 @@ class ConnectorSettings:
 
     @property
     def registry_path(self) -> Path:
-        """Path of the SQLite session registry."""
+        """Path of the SQLite session registry (with Redis: this replica's local part)."""
         return self.cache_dir / REGISTRY_FILE
+
+    @property
+    def registry_namespace(self) -> str:
+        """The Redis session namespace: ``redis_namespace``, else ``model_id``, else
+        ``default``."""
+        return self.redis_namespace or self.model_id or "default"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -93,6 +103,11 @@ class ConnectorSettings:
         redis_url = extra.get("redis_url")
         if redis_url is not None and not isinstance(redis_url, str):
             raise SettingsError("kv_connector_extra_config['redis_url'] must be a string or null")
+        namespace = extra.get("redis_namespace")
+        if namespace is not None and not isinstance(namespace, str):
+            raise SettingsError(
+                "kv_connector_extra_config['redis_namespace'] must be a string or null"
+            )
         model_id = extra.get("model_id", "")
         if not isinstance(model_id, str):
             raise SettingsError("kv_connector_extra_config['model_id'] must be a string")
@@ -108,6 +123,7 @@ class ConnectorSettings:
             ram_bytes=_non_negative_int(extra, "ram_bytes"),
             disk_bytes=_non_negative_int(extra, "disk_bytes"),
             redis_url=redis_url or None,
+            redis_namespace=namespace or None,
             default_ttl_s=float(ttl) if ttl is not None else None,
             model_id=model_id,
             offload_dtype=offload_dtype,

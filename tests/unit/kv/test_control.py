@@ -1,4 +1,7 @@
-"""SessionControl and the registry: lifecycle, tenants, TTL, copy, delete (files gone)."""
+"""SessionControl and the registry: lifecycle, tenants, TTL, copy, delete (files gone).
+
+Each test runs on both registry backends (``backend``: the SQLite file, then sessions in the
+real Redis with the local part in the file)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from registries import Backend
 
 from langgraph_kvcache.contract import check_session_id
 from server.kv.control import (
@@ -15,7 +19,6 @@ from server.kv.control import (
     SessionExists,
     SessionNotFound,
 )
-from server.kv.registry import Registry
 from server.kv.tiers.disk import DiskStore, Manifest
 
 MANIFEST = Manifest(
@@ -29,8 +32,8 @@ MANIFEST = Manifest(
 
 
 @pytest.fixture
-def control(tmp_path: Path) -> SessionControl:
-    c = SessionControl(tmp_path)
+def control(backend: Backend) -> SessionControl:
+    c = backend.control()
     yield c
     c.close()
 
@@ -63,8 +66,8 @@ def test_create_get_update_list(control: SessionControl) -> None:
     assert body["object"] == "session" and set(body["tiers"]) == {"ram", "disk", "redis"}
 
 
-def test_turns_gaps_and_block_tiers(control: SessionControl, tmp_path: Path) -> None:
-    reg = Registry(tmp_path / "sessions.sqlite3")
+def test_turns_gaps_and_block_tiers(control: SessionControl, backend: Backend) -> None:
+    reg = backend.open()  # the engine's connection
     reg.record_turn("t", "s", _keys("a", "b"), 300, default_ttl_s=None, now=100.0)
     reg.record_turn("t", "s", _keys("a", "b", "c"), 400, default_ttl_s=None, now=110.0)
     reg.record_turn("t", "s", _keys("a", "b", "c"), 420, default_ttl_s=None, now=130.0)
@@ -143,14 +146,20 @@ def test_bad_ttls_are_refused_before_anything_is_written(
 
 
 def test_a_bad_stored_row_is_skipped_with_a_warning(
-    control: SessionControl, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    control: SessionControl, backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
     import sqlite3
 
     control.create("good", "t", ttl_seconds=60)
     control.create("bad", "t", ttl_seconds=60)
-    with sqlite3.connect(tmp_path / "sessions.sqlite3") as db:  # as an older version wrote it
-        db.execute("UPDATE sessions SET ttl_seconds = 9e999 WHERE id = 'bad'")
+    if backend.redis_url is None:
+        with sqlite3.connect(backend.path) as db:  # as an older version wrote it
+            db.execute("UPDATE sessions SET ttl_seconds = 9e999 WHERE id = 'bad'")
+    else:
+        import redis
+
+        sessions = control.registry.sessions  # type: ignore[attr-defined]
+        redis.Redis.from_url(backend.redis_url).hset(sessions.prefix + "s:t\x1fbad", "ttl", "9e999")
     with caplog.at_level("WARNING"):
         assert [s.id for s in control.list("t")] == ["good"]
     assert "skipping session 'bad'" in caplog.text

@@ -1,6 +1,7 @@
 """The scheduler side's background threads: the registry thread and the Redis lookups.
 
-Real SQLite files (another connection plays the API process) and a real socket that never
+Both registry backends (``backend``: a real SQLite file; sessions in the real Redis), where
+another connection plays the API process (or another replica), and a real socket that never
 answers (a hung Redis).
 """
 
@@ -13,14 +14,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from registries import Backend, RedisProxy
 
-from server.kv.registry import Registry
 from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 
 
+def engine_sync(backend: Backend, url: str | None = None) -> RegistrySync:
+    """The engine's registry thread on ``backend`` (through ``url`` when given)."""
+    return RegistrySync(
+        backend.path,
+        busy_timeout_s=0.2,
+        poll_s=0.01,
+        opener=lambda: backend.open(busy_timeout_s=0.2, url=url),
+    )
+
+
 @pytest.fixture
-def sync(tmp_path: Path) -> Iterator[RegistrySync]:
-    rs = RegistrySync(tmp_path / "sessions.sqlite3", busy_timeout_s=0.2, poll_s=0.01)
+def sync(backend: Backend) -> Iterator[RegistrySync]:
+    rs = engine_sync(backend)
     yield rs
     rs.close()
 
@@ -31,14 +42,14 @@ def settled(rs: RegistrySync) -> list[object]:
     return rs.drain()
 
 
-def test_api_changes_arrive_as_increments(sync: RegistrySync, tmp_path: Path) -> None:
+def test_api_changes_arrive_as_increments(sync: RegistrySync, backend: Backend) -> None:
     sync.write("turn", lambda reg: reg.record_turn("t", "a", ["k1", "k2"], 8, default_ttl_s=None))
     first = settled(sync)
     assert isinstance(first[0], Snapshot) and first[0].sessions == []  # once, at start
     (change,) = [e for e in first if isinstance(e, SessionChange)]
     assert change.row is not None and change.row.turns == 1 and change.keys == ["k1", "k2"]
 
-    api = Registry(tmp_path / "sessions.sqlite3")  # the API process's connection
+    api = backend.open()  # the API process's connection (with Redis: maybe another replica's)
     api.update_session("t", "a", set_ttl=False, ttl_seconds=None, pinned=True)
     assert api.copy_session("t", "a", "b", overwrite=False) == "ok"
     events = settled(sync)
@@ -58,6 +69,7 @@ def test_api_changes_arrive_as_increments(sync: RegistrySync, tmp_path: Path) ->
     api.close()
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_writes_wait_out_a_locked_registry_and_are_kept(sync: RegistrySync, tmp_path: Path) -> None:
     settled(sync)  # open
     lock = sqlite3.connect(tmp_path / "sessions.sqlite3", isolation_level=None)
@@ -100,3 +112,27 @@ def test_redis_lookups_answer_not_yet_then_a_miss_when_redis_hangs(tmp_path: Pat
     finally:
         lookups.close()
         hung.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+def test_writes_wait_out_a_redis_outage_and_are_kept(backend: Backend) -> None:
+    proxy = RedisProxy()  # the engine reaches Redis through it
+    rs = engine_sync(backend, url=proxy.url)
+    try:
+        settled(rs)  # open
+        proxy.down()  # Redis gone, as the engine sees it
+        rs.write("turn", lambda reg: reg.record_turn("t", "a", ["k"], 4, default_ttl_s=None))
+        rs.publish({"k": (True, False, False, 100)}, {"c": 1.0}, {})
+        token = rs.barrier()  # each call returned at once
+        assert not rs.wait(token, 1.0)  # the turn is held up while Redis is away...
+        proxy.up()
+        assert rs.wait(token, 20)  # ...and lands once it is back, in order
+        api = backend.open()
+        row = api.get_session("t", "a")
+        assert row is not None and row.num_blocks == 1
+        assert api.stats() == {"c": 1.0} and api.tier_usage("t", "a")["ram"].blocks == 1
+        api.close()
+    finally:
+        rs.close()
+        proxy.close()

@@ -146,6 +146,7 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "ram_bytes": cfg.kv_ram_bytes,
         "disk_bytes": cfg.kv_disk_bytes,
         "redis_url": None,
+        "redis_namespace": str(tiny_model_dir),  # the served name: replicas of it share
         "default_ttl_s": 60.0,
         "model_id": str(tiny_model_dir),
         "offload_dtype": "auto",

@@ -1,0 +1,170 @@
+"""The session registry's two interfaces: the session part (shared) and the local part.
+
+A registry serves two kinds of state:
+
+- **Sessions** (:class:`SessionStore`): each session's row (tenant, tokens, turns, times, pin,
+  TTL, gap statistics, managed flag) and ordered block list, and the two feeds the engines
+  read as increments: ``changes`` (every session written) and ``drops`` (block keys freed by
+  a delete or an expiry). With several replicas this part is shared (Redis:
+  :class:`server.kv.registry_redis.RedisSessions`), so any replica answers for any session.
+- **Local state** (:class:`LocalState`): where this replica holds each block (RAM, disk,
+  Redis flags and bytes, read by ``tier_usage``) and this engine's counters and gauges
+  (``/metrics``). Always the SQLite file in the replica's cache folder.
+
+:class:`server.kv.registry.Registry` (SQLite) implements both and is the default;
+:class:`server.kv.registry_shared.SharedRegistry` composes Redis sessions with the SQLite
+local part. :func:`server.kv.registry_shared.open_registry` picks one.
+
+Feed positions (:data:`Cursor`) are opaque to callers: SQLite row numbers, Redis stream ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from server.kv.registry_sql import SessionRow, TierCount
+
+Cursor = int | str
+"""A position in a feed (``changes`` or ``drops``): only compared by the store that gave it."""
+
+
+class RegistryUnavailable(OSError):
+    """The shared session registry (Redis) cannot be reached now. The session API answers
+    HTTP 503 with this message; the engine's registry thread retries."""
+
+
+class SessionStore(Protocol):
+    """Sessions, their block lists, and the ``changes`` / ``drops`` feeds.
+
+    Every write is atomic: a reader never sees half of it, and a delete and the drops it
+    records land together. Methods raise :class:`RegistryUnavailable` when the store cannot
+    be reached.
+    """
+
+    def ping(self) -> None:
+        """Raise :class:`RegistryUnavailable` if the store cannot be reached (cheap)."""
+
+    def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
+        """The session with its block count, or None if unknown."""
+
+    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
+        """A tenant's sessions, most recently used first."""
+
+    def count_sessions(self) -> int:
+        """Number of sessions of all tenants."""
+
+    def create_session(
+        self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
+    ) -> bool:
+        """Insert an empty managed session; False if it exists (an expired one counts as gone:
+        it is deleted and its blocks recorded as drops)."""
+
+    def update_session(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        set_ttl: bool,
+        ttl_seconds: float | None,
+        pinned: bool | None,
+    ) -> bool:
+        """Change TTL (when ``set_ttl``) and/or pin, mark managed; False if unknown."""
+
+    def record_turn(
+        self,
+        tenant: str,
+        session_id: str,
+        keys: list[str],
+        num_tokens: int,
+        *,
+        default_ttl_s: float | None,
+        now: float | None = None,
+    ) -> None:
+        """Record a finished request: block list, tokens, turn count and gap statistics."""
+
+    def mark_managed(self, tenant: str, session_id: str) -> None:
+        """Note that a client manages the session."""
+
+    def session_keys(self, tenant: str, session_id: str) -> list[str]:
+        """The session's block keys in prefix order."""
+
+    def delete_session(self, tenant: str, session_id: str) -> list[str] | None:
+        """Delete a session; record and return its keys no other session references (None:
+        unknown)."""
+
+    def copy_session(self, tenant: str, source: str, target: str, *, overwrite: bool) -> str:
+        """Fork ``source`` into ``target``: "ok", "no_source" or "target_exists"."""
+
+    def purge_expired(self, now: float | None = None) -> list[str]:
+        """Delete every expired session, record and return the freed keys. Idempotent: two
+        callers at once delete each session once and record its drops once."""
+
+    def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
+        """All sessions and all (tenant, session id, key) references."""
+
+    def session_state(self, tenant: str, session_id: str) -> tuple[SessionRow | None, list[str]]:
+        """A session's row and block keys, read together."""
+
+    def change_seq(self) -> Cursor:
+        """The newest ``changes`` position."""
+
+    def changes_after(self, seq: Cursor) -> tuple[Cursor, list[tuple[str, str]] | None]:
+        """Sessions written after ``seq`` (distinct, in order of their last change), with the
+        newest position; None instead of the list when entries after ``seq`` were trimmed
+        (reload :meth:`policy_snapshot`)."""
+
+    def add_drops(self, keys: Iterable[str]) -> None:
+        """Record freed block keys."""
+
+    def drops_after(self, seq: Cursor) -> tuple[Cursor, list[str]]:
+        """Drops newer than ``seq``: (the newest position, their keys)."""
+
+    def last_drop_seq(self) -> Cursor:
+        """The newest ``drops`` position."""
+
+    def data_version(self) -> int:
+        """A number that changes when another connection writes (cheap change check)."""
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+
+
+class LocalState(Protocol):
+    """This replica's block locations and engine counters (never shared)."""
+
+    def set_block_tiers(self, updates: dict[str, tuple[bool, bool, bool, int]]) -> None:
+        """Publish where blocks are: key -> (in RAM, on disk, in Redis, bytes)."""
+
+    def reset_block_tiers(self) -> None:
+        """Forget all published locations."""
+
+    def block_usage(self, keys: Iterable[str]) -> dict[str, TierCount]:
+        """Blocks and bytes per tier of the distinct ``keys``."""
+
+    def add_stats(self, counters: dict[str, float], gauges: dict[str, float]) -> None:
+        """Add counter deltas and overwrite gauges."""
+
+    def stats(self) -> dict[str, float]:
+        """All stored counters and gauges."""
+
+    def get_cursor(self, name: str) -> str | None:
+        """A feed position saved by :meth:`set_cursor` (None: none)."""
+
+    def set_cursor(self, name: str, value: str) -> None:
+        """Save a feed position (the engine resumes the shared drops feed from it)."""
+
+
+class EngineRegistry(SessionStore, LocalState, Protocol):
+    """What the engine's registry thread and the API process use: both parts, plus where the
+    engine resumes the drops feed after a restart."""
+
+    def tier_usage(self, tenant: str, session_id: str) -> dict[str, TierCount]:
+        """Blocks and bytes of a session's distinct blocks per tier, as this replica holds
+        them."""
+
+    def resume_drops(self) -> Cursor:
+        """Where a starting engine reads the drops feed from."""
+
+    def drops_read(self, seq: Cursor) -> None:
+        """The engine applied the drops up to ``seq`` (saved where a restart resumes)."""

@@ -1,0 +1,218 @@
+"""The Lua scripts of the Redis session registry: every write is one script, so it is atomic.
+
+Redis runs one script at a time, so a script's reads and writes are one transaction: two
+replicas purging expired sessions at once delete each session once and record its drops once,
+and a delete and the drops it records land together. Layout under the prefix ``P``
+(``lgkv:reg:{<namespace>}:``; the braces make a Redis Cluster keep a namespace in one slot):
+
+- ``P s:<tenant>\\x1f<session>``: hash of the session's row (``num_tokens``, ``turns``,
+  ``created_at``, ``last_used_at``, ``pinned``, ``ttl`` (absent: none), ``gap_count``,
+  ``gap_mean``, ``managed``); ``P b:<tenant>\\x1f<session>``: list of its block keys.
+- ``P t:<tenant>``: zset of the tenant's session ids by last use (listings);
+  ``P all``: set of every ``<tenant>\\x1f<session>``; ``P exp``: zset of them by expiry time.
+- ``P refs``: hash block key -> number of sessions listing it (a delete frees the keys that
+  reach 0).
+- ``P changes``: stream of ``t``/``s`` (tenant, session) of every session write;
+  ``P drops``: stream of ``keys`` (space-separated) freed by deletes and expiries. Both are
+  trimmed to about ``ARGV[2]`` entries.
+- ``P ver``: a counter every write increments (the engine's cheap "anything new?").
+
+Every script takes ``ARGV[1]`` = the prefix and ``ARGV[2]`` = how many feed entries to keep;
+times are unix seconds as text, written back with 17 significant digits.
+"""
+
+from __future__ import annotations
+
+_COMMON = r"""
+local P, KEPT = ARGV[1], ARGV[2]
+local SEP = '\31'
+local function fmt(x) return string.format('%.17g', x) end
+local function skey(m) return P .. 's:' .. m end
+local function bkey(m) return P .. 'b:' .. m end
+local function change(t, s)
+  redis.call('XADD', P .. 'changes', 'MAXLEN', '~', KEPT, '*', 't', t, 's', s)
+  redis.call('INCR', P .. 'ver')
+end
+local function distinct(list)
+  local seen, out = {}, {}
+  for _, k in ipairs(list) do
+    if not seen[k] then seen[k] = true; out[#out + 1] = k end
+  end
+  return out
+end
+local function ref(keys)
+  for _, k in ipairs(distinct(keys)) do redis.call('HINCRBY', P .. 'refs', k, 1) end
+end
+local function unref(keys)
+  local freed = {}
+  for _, k in ipairs(distinct(keys)) do
+    if redis.call('HINCRBY', P .. 'refs', k, -1) <= 0 then
+      redis.call('HDEL', P .. 'refs', k)
+      freed[#freed + 1] = k
+    end
+  end
+  return freed
+end
+local function push(m, keys)
+  for i = 1, #keys, 1000 do
+    redis.call('RPUSH', bkey(m), unpack(keys, i, math.min(i + 999, #keys)))
+  end
+end
+local function set_expiry(m, last, ttl)
+  if ttl == nil or ttl == false or ttl == '' then
+    redis.call('ZREM', P .. 'exp', m)
+  else
+    redis.call('ZADD', P .. 'exp', fmt(tonumber(last) + tonumber(ttl)), m)
+  end
+end
+local function delete(t, s)
+  local m = t .. SEP .. s
+  if redis.call('EXISTS', skey(m)) == 0 then return nil end
+  local keys = redis.call('LRANGE', bkey(m), 0, -1)
+  redis.call('DEL', skey(m), bkey(m))
+  redis.call('ZREM', P .. 't:' .. t, s)
+  redis.call('SREM', P .. 'all', m)
+  redis.call('ZREM', P .. 'exp', m)
+  change(t, s)
+  return unref(keys)
+end
+local function drops(keys)
+  if #keys > 0 then
+    redis.call('XADD', P .. 'drops', 'MAXLEN', '~', KEPT, '*', 'keys', table.concat(keys, ' '))
+    redis.call('INCR', P .. 'ver')
+  end
+end
+local function expired(m, now)
+  local row = redis.call('HMGET', skey(m), 'ttl', 'last_used_at')
+  return row[1] and tonumber(row[2]) + tonumber(row[1]) < tonumber(now)
+end
+"""
+
+CREATE = _COMMON + r"""
+-- ARGV: 3 tenant, 4 session, 5 now, 6 ttl ('' none), 7 pinned (0/1). Returns 1 if created.
+local t, s, now, ttl = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local m = t .. SEP .. s
+if redis.call('EXISTS', skey(m)) == 1 and expired(m, now) then drops(delete(t, s)) end
+if redis.call('EXISTS', skey(m)) == 1 then return 0 end
+redis.call('HSET', skey(m), 'num_tokens', 0, 'turns', 0, 'created_at', now,
+  'last_used_at', now, 'pinned', ARGV[7], 'gap_count', 0, 'gap_mean', 0, 'managed', 1)
+if ttl ~= '' then redis.call('HSET', skey(m), 'ttl', ttl) end
+redis.call('SADD', P .. 'all', m)
+redis.call('ZADD', P .. 't:' .. t, now, s)
+set_expiry(m, now, ttl)
+change(t, s)
+return 1
+"""
+
+UPDATE = _COMMON + r"""
+-- ARGV: 3 tenant, 4 session, 5 set ttl (0/1), 6 ttl ('' none), 7 pinned ('' keep, 0/1).
+local t, s = ARGV[3], ARGV[4]
+local m = t .. SEP .. s
+if redis.call('EXISTS', skey(m)) == 0 then return 0 end
+redis.call('HSET', skey(m), 'managed', 1)
+if ARGV[5] == '1' then
+  if ARGV[6] == '' then redis.call('HDEL', skey(m), 'ttl')
+  else redis.call('HSET', skey(m), 'ttl', ARGV[6]) end
+  set_expiry(m, redis.call('HGET', skey(m), 'last_used_at'), ARGV[6])
+end
+if ARGV[7] ~= '' then redis.call('HSET', skey(m), 'pinned', ARGV[7]) end
+change(t, s)
+return 1
+"""
+
+MARK_MANAGED = _COMMON + r"""
+-- ARGV: 3 tenant, 4 session.
+local t, s = ARGV[3], ARGV[4]
+local m = t .. SEP .. s
+if redis.call('EXISTS', skey(m)) == 1 then redis.call('HSET', skey(m), 'managed', 1) end
+change(t, s)
+return 1
+"""
+
+RECORD_TURN = _COMMON + r"""
+-- ARGV: 3 tenant, 4 session, 5 now, 6 num_tokens, 7 default ttl ('' none), 8.. block keys.
+local t, s, now, dttl = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local m = t .. SEP .. s
+local keys = {}
+for i = 8, #ARGV do keys[#keys + 1] = ARGV[i] end
+local row = redis.call('HMGET', skey(m), 'turns', 'last_used_at', 'gap_count', 'gap_mean', 'ttl')
+local ttl = row[5]
+if not row[1] then
+  redis.call('HSET', skey(m), 'num_tokens', ARGV[6], 'turns', 1, 'created_at', now,
+    'last_used_at', now, 'pinned', 0, 'gap_count', 0, 'gap_mean', 0, 'managed', 0)
+  if dttl ~= '' then redis.call('HSET', skey(m), 'ttl', dttl) end
+  ttl = dttl
+  redis.call('SADD', P .. 'all', m)
+else
+  local turns, count, mean = tonumber(row[1]), tonumber(row[3]), tonumber(row[4])
+  if turns > 0 then
+    local gap = math.max(0, tonumber(now) - tonumber(row[2]))
+    count = count + 1
+    mean = mean + (gap - mean) / count
+  end
+  redis.call('HSET', skey(m), 'num_tokens', ARGV[6], 'turns', turns + 1, 'last_used_at', now,
+    'gap_count', count, 'gap_mean', fmt(mean))
+end
+redis.call('ZADD', P .. 't:' .. t, now, s)
+set_expiry(m, now, ttl)
+unref(redis.call('LRANGE', bkey(m), 0, -1))  -- superseded blocks stay in the tiers' LRU
+redis.call('DEL', bkey(m))
+push(m, keys)
+ref(keys)
+change(t, s)
+return 1
+"""
+
+DELETE = _COMMON + r"""
+-- ARGV: 3 tenant, 4 session. Returns {found (0/1), freed keys...}.
+local freed = delete(ARGV[3], ARGV[4])
+if freed == nil then return {0} end
+drops(freed)
+local out = {1}
+for _, k in ipairs(freed) do out[#out + 1] = k end
+return out
+"""
+
+COPY = _COMMON + r"""
+-- ARGV: 3 tenant, 4 source, 5 target, 6 overwrite (0/1), 7 now. Returns a status word.
+local t, src, dst, now = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
+local ms, md = t .. SEP .. src, t .. SEP .. dst
+if redis.call('EXISTS', skey(ms)) == 0 then return 'no_source' end
+if redis.call('EXISTS', skey(md)) == 1 then
+  if ARGV[6] ~= '1' then return 'target_exists' end
+  delete(t, dst)  -- blocks the old target alone held stay in the tiers' LRU
+end
+local r = redis.call('HMGET', skey(ms), 'num_tokens', 'turns', 'ttl', 'gap_count', 'gap_mean')
+redis.call('HSET', skey(md), 'num_tokens', r[1], 'turns', r[2], 'created_at', now,
+  'last_used_at', now, 'pinned', 0, 'gap_count', r[4], 'gap_mean', r[5], 'managed', 1)
+if r[3] then redis.call('HSET', skey(md), 'ttl', r[3]) end
+local keys = redis.call('LRANGE', bkey(ms), 0, -1)
+push(md, keys)
+ref(keys)
+redis.call('SADD', P .. 'all', md)
+redis.call('ZADD', P .. 't:' .. t, now, dst)
+set_expiry(md, now, r[3])
+change(t, dst)
+return 'ok'
+"""
+
+PURGE = _COMMON + r"""
+-- ARGV: 3 now. Deletes every session whose last use + TTL < now; returns the freed keys.
+local freed, seen = {}, {}
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'exp', '-inf', '(' .. ARGV[3])) do
+  local i = string.find(m, SEP, 1, true)
+  for _, k in ipairs(delete(string.sub(m, 1, i - 1), string.sub(m, i + 1)) or {}) do
+    if not seen[k] then seen[k] = true; freed[#freed + 1] = k end
+  end
+end
+drops(freed)
+return freed
+"""
+
+ADD_DROPS = _COMMON + r"""
+-- ARGV: 3.. keys.
+local keys = {}
+for i = 3, #ARGV do keys[#keys + 1] = ARGV[i] end
+drops(keys)
+return #keys
+"""
