@@ -38,7 +38,7 @@ class RedisStore:
         manifest: Manifest,
         *,
         ttl_s: float,
-        timeout_s: float = 0.5,
+        timeout_s: float = 2.0,
         retry_after_s: float = 5.0,
         rank: int | None = None,
     ) -> None:
