@@ -8,7 +8,8 @@ not the API process, and that loop sleeps while it has no requests. Two channels
 One owner of each piece of state: the engine owns expiry and block files; this process records
 requests and reads state.
 
-1. The registry (SQLite, WAL) records requests. ``delete`` removes the session's rows and, in
+1. The registry (SQLite, WAL; with ``--kv-redis-url`` the sessions and feeds in Redis, shared by
+   every replica, see :mod:`server.kv.registry_shared`) records requests. ``delete`` removes the session's rows and, in
    the same transaction, appends the keys of blocks no other session references to the
    ``drops`` table; the engine's registry thread reads new drops (and, from the ``changes``
    table, every session written: ``copy``, pins, TTLs) within about 50 ms, and its scheduler

@@ -1,4 +1,8 @@
-"""The scheduler side's registry thread: every SQLite call of the engine, off vLLM's thread.
+"""The scheduler side's registry thread: every registry call of the engine, off vLLM's thread.
+
+The registry is the SQLite file, or with ``--kv-redis-url`` sessions in Redis plus the local
+part in the file (:func:`server.kv.registry_shared.open_registry`); the thread does not care
+which: a Redis that is down fails a job like a locked file does, and the job is retried.
 
 vLLM calls the scheduler side on its one scheduler thread, which must never wait on a disk or
 on another process's lock. :class:`RegistrySync` owns the engine's registry connection on a

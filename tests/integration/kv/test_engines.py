@@ -127,6 +127,11 @@ def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -
     assert hit["num_cached_tokens"] == 3 * BLOCK  # replica b has no disk files of its own
     assert hit["tokens"] == first[1]["tokens"]
     assert hit["logprobs"] == pytest.approx(first[1]["logprobs"], abs=1e-3)
-    reg = Registry(tmp_path / "b" / "sessions.sqlite3")
+    reg = Registry(tmp_path / "b" / "sessions.sqlite3")  # B's counters are B's own
     assert reg.stats()['lgkv_hit_blocks_total{tier="redis"}'] == 3
     reg.close()
+    from server.kv.registry_redis import RedisSessions
+
+    shared = RedisSessions(url, model_id)  # both replicas' sessions (namespace: the model id)
+    assert shared.get_session("t", "A").turns == 2  # a turn on each replica
+    shared.clear()

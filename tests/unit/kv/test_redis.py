@@ -30,8 +30,9 @@ def manifest() -> Iterator[Manifest]:
         pytest.skip("no Redis on 127.0.0.1:6379")
     m = Manifest(f"test-{uuid.uuid4().hex}", "torch.float32", 4, ("l0",), (100,), "sha256:x")
     yield m
-    for k in client.scan_iter(f"lgkv:{m.fingerprint()}:*"):
-        client.delete(k)
+    for pattern in (f"lgkv:{m.fingerprint()}:*", f"lgkv:reg:{{{m.model_id}}}:*"):
+        for k in client.scan_iter(pattern):
+            client.delete(k)
 
 
 def test_roundtrip_ttl_and_damage(manifest: Manifest) -> None:
@@ -79,6 +80,7 @@ def test_second_replica_hits_from_redis(manifest: Manifest, tmp_path: Path) -> N
                 "ram_bytes": 4 * BB,
                 "disk_bytes": 4 * FB,
                 "redis_url": URL,
+                "redis_namespace": manifest.model_id,  # this test's sessions, deleted after
                 "stats_flush_s": 0.001,
             }
         )
