@@ -9,12 +9,13 @@ One owner of each piece of state: the engine owns expiry and block files; this p
 requests and reads state.
 
 1. The registry (SQLite, WAL; with ``--kv-redis-url`` the sessions and feeds in Redis, shared by
-   every replica, see :mod:`server.kv.registry_shared`) records requests. ``delete`` removes the session's rows and, in
-   the same transaction, appends the keys of blocks no other session references to the
-   ``drops`` table; the engine's registry thread reads new drops (and, from the ``changes``
-   table, every session written: ``copy``, pins, TTLs) within about 50 ms, and its scheduler
-   applies them at its next step: it stops serving the dropped blocks, frees their RAM slots
-   and has the worker remove their files. Expired sessions are hidden from every read here;
+   every replica, see :mod:`server.kv.registry_shared`) records requests. ``delete`` removes
+   the session's rows and, in the same transaction, appends the keys of blocks no other
+   session references to the ``drops`` feed; the engine's registry thread (every replica's,
+   with Redis) reads new drops (and, from the ``changes`` feed, every session written:
+   ``copy``, pins, TTLs) within about 50 ms, and its scheduler applies them at its next step:
+   it stops serving the dropped blocks, frees their RAM slots and has the worker remove their
+   files. Expired sessions are hidden from every read here;
    the engine purges them (every few seconds, and at each sync).
 2. The engine's own request queue for work that must run in the engine now. ``prefetch``
    submits a one-token request carrying ``extra_args={XARG_OP: PREFETCH_OP, ...}`` through
