@@ -1,26 +1,27 @@
 """vLLM's scheduler thread never waits on the registry or on Redis.
 
-One engine (its own process) starts and generates while this process holds the registry's
-write lock, with its Redis tier pointing at a server that accepts connections and never
-answers. The requests must finish while the lock is still held (this process releases it
-only after they did), give the cache-off answer, hit the RAM tier (lookups use the in-memory
-index), and treat Redis as a miss with a warning. The turn records queued meanwhile must not
-be lost: they reach the registry once the lock goes.
+One engine (its own process) starts and generates while this process holds the registry
+file's write lock, with its Redis (the tier, and so the sessions too) behind a proxy that
+accepts connections and never answers (a hung Redis). The requests must finish while both
+hang (this process releases them only after they did), give the cache-off answer, hit the RAM
+tier (lookups use the in-memory index), and treat Redis as a miss with a warning. The turn
+records queued meanwhile must not be lost: they reach the registry (sessions in Redis,
+counters in the file) once the lock goes and Redis answers again.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from kv_engine import BLOCK, engine_kwargs
+from redis_proxy import RedisProxy
 
 from server.kv.registry import Registry
 
@@ -28,45 +29,24 @@ pytestmark = pytest.mark.vllm
 SCRIPT = Path(__file__).with_name("engine_script.py")
 
 
-class SilentServer:
-    """A TCP server that accepts every connection and never sends a byte (a hung Redis)."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self._conns: list[socket.socket] = []
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self._sock.getsockname()[1]}/0"
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self._conns.append(conn)  # held open, never answered
-
-    def close(self) -> None:
-        self._stop = True
-        self._sock.close()
-        for conn in self._conns:
-            conn.close()
-
-
 def test_locked_registry_and_hung_redis_do_not_stall_generation(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     path = cache / "sessions.sqlite3"
+    pytest.importorskip("redis")
+    from server.kv.registry_redis import RedisSessions
+
     Registry(path).close()  # schema and WAL mode, as a server that ran before leaves it
-    redis = SilentServer()
+    redis = RedisProxy(18152, mode="hung")  # port of this suite's range; db 11
+    namespace = f"nonblocking-{uuid.uuid4().hex}"
+    shared = RedisSessions(redis.url.replace(":18152/", ":6379/"), namespace)
+    try:
+        shared.ping()
+    except OSError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
     engine = engine_kwargs(tiny_model_dir, cache)
-    engine["kv_connector_extra_config"]["redis_url"] = redis.url
+    engine["kv_connector_extra_config"].update(redis_url=redis.url, redis_namespace=namespace)
     held, release = tmp_path / "held", tmp_path / "release"
     first = [1000 + i for i in range(3 * BLOCK + 40)]
     second = [*first, *range(2000, 2060)]
@@ -102,21 +82,24 @@ def test_locked_registry_and_hung_redis_do_not_stall_generation(
         assert done[2]["tokens"] == done[1]["tokens"]
         assert done[2]["logprobs"] == pytest.approx(done[1]["logprobs"], abs=1e-3)
         reader = sqlite3.connect(path)  # WAL: readers go on while the lock is held
-        assert reader.execute("SELECT count(*) FROM sessions").fetchone()[0] == 0
+        assert reader.execute("SELECT count(*) FROM stats").fetchone()[0] == 0
         reader.close()
+        assert shared.count_sessions() == 0  # nothing reached Redis yet either
     finally:
         lock.execute("ROLLBACK")
         lock.close()
+        redis.up()  # Redis answers again
         release.touch()
-        redis.close()
     proc.wait(timeout=300)
     out = log.read_text()
     assert proc.returncode == 0, out[-6000:]
     assert "redis tier unavailable" in out  # a tier failure is a miss plus a warning
     assert "session registry" in out and "retrying" in out
 
+    redis.close()
+    row = shared.get_session("t", "A")
+    shared.clear()
     reg = Registry(path)
-    row = reg.get_session("t", "A")
     stats = reg.stats()
     reg.close()
     assert row is not None and (row.turns, row.num_blocks) == (2, 4)  # + a tail; not lost

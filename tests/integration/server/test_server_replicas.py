@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.kv.keys import block_path
 from tests.integration.conftest import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
@@ -170,4 +171,7 @@ def _session_keys(sid: str) -> list[str]:
 
 
 def _file(server: ServerProcess, key: str) -> bool:
-    return any((server.cache_dir / "blocks").rglob(f"{key}.kvb"))
+    """Whether the replica has a block file of ``key`` (exact paths: the engine may be
+    removing files and their empty fan-out folders right now)."""
+    layouts = [p for p in (server.cache_dir / "blocks").iterdir() if p.is_dir()]
+    return any(block_path(layout, key).exists() for layout in layouts)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from registries import Backend, RedisProxy
+from registries import Backend, proxy
 from test_registry_sync import engine_sync, settled
 
 from server.api.protocol import APIError
@@ -100,14 +100,14 @@ def test_a_reader_behind_the_trimmed_changes_reloads_the_snapshot(
 
 
 def test_redis_down_answers_503_at_once_and_recovers(backend: Backend) -> None:
-    proxy = RedisProxy()
-    control = backend.control(url=proxy.url)
-    rs = engine_sync(backend, url=proxy.url)
+    redis = proxy()
+    control = backend.control(url=redis.url)
+    rs = engine_sync(backend, url=redis.url)
     try:
         settled(rs)  # open
         control.create("s", "t", ttl_seconds=60)
         assert any(isinstance(e, SessionChange) and e.session_id == "s" for e in settled(rs))
-        proxy.down()
+        redis.down()
         t0 = time.monotonic()
         with pytest.raises(RegistryUnavailable, match=r"unreachable.*retry when Redis is back"):
             control.get("s", "t")
@@ -116,9 +116,9 @@ def test_redis_down_answers_503_at_once_and_recovers(backend: Backend) -> None:
         assert http.value.status == 503 and "Redis" in http.value.message
         assert time.monotonic() - t0 < 10  # no wait for the engine first
         assert "lgkv_sessions" not in control.metrics()  # /metrics still answers
-        proxy.up()
+        redis.up()
         assert control.get("s", "t").ttl_seconds == 60
     finally:
         rs.close()
         control.close()
-        proxy.close()
+        redis.close()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from registries import Backend, RedisProxy
+from registries import Backend, proxy
 
 from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 
@@ -117,16 +117,16 @@ def test_redis_lookups_answer_not_yet_then_a_miss_when_redis_hangs(tmp_path: Pat
 @pytest.mark.redis
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
 def test_writes_wait_out_a_redis_outage_and_are_kept(backend: Backend) -> None:
-    proxy = RedisProxy()  # the engine reaches Redis through it
-    rs = engine_sync(backend, url=proxy.url)
+    redis = proxy()  # the engine reaches Redis through it
+    rs = engine_sync(backend, url=redis.url)
     try:
         settled(rs)  # open
-        proxy.down()  # Redis gone, as the engine sees it
+        redis.down()  # Redis gone, as the engine sees it
         rs.write("turn", lambda reg: reg.record_turn("t", "a", ["k"], 4, default_ttl_s=None))
         rs.publish({"k": (True, False, False, 100)}, {"c": 1.0}, {})
         token = rs.barrier()  # each call returned at once
         assert not rs.wait(token, 1.0)  # the turn is held up while Redis is away...
-        proxy.up()
+        redis.up()
         assert rs.wait(token, 20)  # ...and lands once it is back, in order
         api = backend.open()
         row = api.get_session("t", "a")
@@ -135,4 +135,4 @@ def test_writes_wait_out_a_redis_outage_and_are_kept(backend: Backend) -> None:
         api.close()
     finally:
         rs.close()
-        proxy.close()
+        redis.close()
