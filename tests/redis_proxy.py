@@ -38,13 +38,13 @@ class RedisProxy:
 
     def down(self) -> None:
         """Refuse new connections and cut the open ones."""
-        self._cut()
         with self._lock:
             listener, self._listener, self.mode = self._listener, None, "down"
-        if listener is not None:
+        if listener is not None:  # first, so no client reconnects between the two steps
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
+        self._cut()
 
     close = down
 
@@ -76,6 +76,9 @@ class RedisProxy:
             except OSError:
                 return
             with self._lock:
+                if self.mode == "down":
+                    client.close()
+                    continue
                 self._socks.append(client)
                 if self.mode != "up":
                     continue  # held open, never answered
