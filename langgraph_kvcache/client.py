@@ -36,7 +36,13 @@ from langgraph_kvcache.contract import (
     check_ttl,
 )
 from langgraph_kvcache.contract import Unset as _Unset
-from langgraph_kvcache.errors import KVCacheError
+from langgraph_kvcache.errors import (
+    KVCacheClientError,
+    ServerUnavailableError,
+    SessionAPIError,
+    SessionExistsError,
+    SessionNotFoundError,
+)
 from langgraph_kvcache.sessions import validate_session_id
 
 __all__ = [
@@ -55,37 +61,6 @@ __all__ = [
 
 DEFAULT_SERVER_URL: Final = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S: Final = 30.0
-
-
-# ----------------------------------------------------------------------------- errors
-class KVCacheClientError(KVCacheError):
-    """Base of every error raised by :class:`KVCacheClient` and :class:`AsyncKVCacheClient`."""
-
-
-class SessionAPIError(KVCacheClientError):
-    """The server answered the request with an error (HTTP 4xx/5xx).
-
-    ``status_code`` is the HTTP status, ``message`` the server's own explanation and
-    ``error_type`` the server's error type (``""`` when the body had none).
-    """
-
-    def __init__(self, message: str, *, status_code: int, error_type: str = "") -> None:
-        super().__init__(f"HTTP {status_code}: {message}")
-        self.message = message
-        self.status_code = status_code
-        self.error_type = error_type
-
-
-class SessionNotFoundError(SessionAPIError):
-    """HTTP 404: no such session for this tenant (check the id and the API key)."""
-
-
-class SessionExistsError(SessionAPIError):
-    """HTTP 409: the session already exists (pick another id, or pass ``overwrite=True``)."""
-
-
-class ServerUnavailableError(KVCacheClientError, ConnectionError):
-    """The server could not be reached, timed out, or answered 502/503/504."""
 
 
 def _malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:

@@ -46,3 +46,34 @@ class UnstorableValueError(CheckpointerError, ValueError):
     Raised before any SQL runs, e.g. for checkpoint metadata holding NUL characters on
     PostgreSQL (its JSONB text cannot hold them); the message says what to change.
     """
+
+
+# ----------------------------------------------------------------------------- session API client
+class KVCacheClientError(KVCacheError):
+    """Base of every error raised by :class:`KVCacheClient` and :class:`AsyncKVCacheClient`."""
+
+
+class SessionAPIError(KVCacheClientError):
+    """The server answered the request with an error (HTTP 4xx/5xx).
+
+    ``status_code`` is the HTTP status, ``message`` the server's own explanation and
+    ``error_type`` the server's error type (``""`` when the body had none).
+    """
+
+    def __init__(self, message: str, *, status_code: int, error_type: str = "") -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.message = message
+        self.status_code = status_code
+        self.error_type = error_type
+
+
+class SessionNotFoundError(SessionAPIError):
+    """HTTP 404: no such session for this tenant (check the id and the API key)."""
+
+
+class SessionExistsError(SessionAPIError):
+    """HTTP 409: the session already exists (pick another id, or pass ``overwrite=True``)."""
+
+
+class ServerUnavailableError(KVCacheClientError, ConnectionError):
+    """The server could not be reached, timed out, or answered 502/503/504."""
