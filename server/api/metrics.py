@@ -25,31 +25,22 @@ _HELP = {
     "lgkv_hit_tails": "Partial tail blocks (a turn's last, partly filled block) loaded, by tier",
     "lgkv_hit_tail_tokens": "Tokens loaded from partial tail blocks, by tier",
     "lgkv_miss_blocks": "KV blocks looked up in no tier (computed by prefill)",
-    "lgkv_saved_blocks": "KV blocks saved from the engine into the tiers",
     "lgkv_evicted_blocks": "Blocks evicted from each tier",
     "lgkv_tier_bytes": "Bytes each tier holds now (stored, i.e. compressed, bytes)",
     "lgkv_tier_blocks": "Blocks each tier holds now",
-    "lgkv_load_seconds": "Seconds spent loading KV blocks from the tiers, per load",
-    "lgkv_save_seconds": "Seconds spent saving KV blocks to the tiers, per save",
     "lgkv_kv_compression_ratio": "Engine bytes per stored byte of a block (--kv-offload-dtype)",
     "lgkv_sessions": "Sessions in the registry",
 }
 """Help text per metric family; every sample ``metrics()`` returns belongs to one of these."""
 
-_SUMMARY_SUFFIXES = ("_sum", "_count")
-
-
 def family_of(name: str) -> tuple[str, str]:
     """The Prometheus family and type of a sample name.
 
-    ``*_total`` samples are counters of the family without the suffix, ``*_seconds_sum`` and
-    ``*_seconds_count`` the two samples of a summary, anything else a gauge.
+    ``*_total`` samples are counters of the family without the suffix, anything else a gauge.
+    (The worker's durations are histograms on vLLM's stats path: :mod:`server.kv.stats`.)
     """
     if name.endswith("_total"):
         return name[: -len("_total")], "counter"
-    for suffix in _SUMMARY_SUFFIXES:
-        if name.endswith("_seconds" + suffix):
-            return name[: -len(suffix)], "summary"
     return name, "gauge"
 
 

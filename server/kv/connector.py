@@ -31,6 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.kv.metadata import StepPlan, WorkerReport
@@ -38,6 +44,7 @@ from server.kv.ranks import RankTally, check_parallel
 from server.kv.recovery import DiskSpace, check_budgets, forget_unregistered_files
 from server.kv.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
+from server.kv.stats import SessionKVPromMetrics, SessionKVStats
 from server.kv.tiers.disk import DiskStore, Manifest, block_file_bytes
 from server.kv.tiers.redis import RedisStore
 from server.kv.usage import LoadAccounting
@@ -250,6 +257,23 @@ class SessionKVConnector(KVConnectorBase_V1):
             return None
         report = self.worker.take_report()
         return SessionKVWorkerMetadata((report,)) if report is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return SessionKVStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return SessionKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -100,10 +100,6 @@ class WorkerReport:
     """Keys whose file was missing or bad (the block is a miss from now on)."""
     released_slots: list[int] = field(default_factory=list)
     """Slots a load or read no longer uses (one entry per use)."""
-    load_seconds: list[float] = field(default_factory=list)
-    """Duration of each finished load job."""
-    save_seconds: list[float] = field(default_factory=list)
-    """Duration of each step's RAM copies and of each disk write."""
     removed: list[str] = field(default_factory=list)
     """Keys whose file removal finished (removed, already absent, or failed with a warning)."""
 
@@ -119,8 +115,6 @@ class WorkerReport:
                 self.read_ok,
                 self.read_failed,
                 self.released_slots,
-                self.load_seconds,
-                self.save_seconds,
                 self.removed,
             )
         )

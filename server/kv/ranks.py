@@ -17,7 +17,6 @@ and Redis jobs finish at different times):
   the failure (a block with one rank's shard missing is a miss; the scheduler then removes the
   other ranks' files, as it does for any failed write or read).
 - ``released_slots``: a slot use ends when every rank released it (one entry per use and rank).
-- ``load_seconds``, ``save_seconds``: rank 0's (every rank moves the same number of bytes).
 
 Outcomes of one key are matched in order per rank, so a key saved twice pairs first with
 first. With one rank, reports pass through unchanged.
@@ -101,9 +100,6 @@ class RankTally:
                 for key in getattr(report, failed) if failed else ():
                     self._note(book, key, report.rank, False)
             self._slots[report.rank].update(report.released_slots)
-            if report.rank == 0:
-                out.load_seconds.extend(report.load_seconds)
-                out.save_seconds.extend(report.save_seconds)
         for ok, failed in _OUTCOMES:
             book = self._pending[ok]
             for key in list(book):

@@ -303,7 +303,6 @@ class SessionKVScheduler:
         owners = self.index.slot_owners() if report.released_slots else {}
         for key in report.saved:
             self.index.saved(key)
-        self.publisher.count("lgkv_saved_blocks_total", len(report.saved))
         for key in report.read_ok:
             self.index.read_ok(key)
         for key in report.written:
@@ -320,9 +319,6 @@ class SessionKVScheduler:
         self._removing.difference_update(report.removed)
         self._ops.confirmed(set(report.read_ok) | set(report.read_failed) | set(report.removed))
         self._ops.advance()
-        for name, values in (("load", report.load_seconds), ("save", report.save_seconds)):
-            self.publisher.count(f"lgkv_{name}_seconds_sum", sum(values))
-            self.publisher.count(f"lgkv_{name}_seconds_count", len(values))
         idle = not self._tracked and not self.has_pending_work()
         self.flush(force=idle)
 

@@ -42,6 +42,7 @@ import torch
 from server.kv.codec import BlockCodec
 from server.kv.formats import BlockFormat
 from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
+from server.kv.stats import SessionKVStats
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.tiers.redis import RedisStore
@@ -98,6 +99,8 @@ class SessionKVWorker:
         self.pool: RamPool | None = None
         self.kv: list[torch.Tensor] = []
         self._report = WorkerReport(rank=rank)
+        self.stats = SessionKVStats()
+        """Durations and block counts since vLLM last asked (:mod:`server.kv.stats`)."""
         self._loads: dict[str, _AsyncLoad] = {}
         self._finished_loads: set[str] = set()
         self._released: set[str] = set()
@@ -152,7 +155,7 @@ class SessionKVWorker:
                 self._report.released_slots.extend(i.slot for i in ram)
             disk = [i for i in job.items if i.from_disk]
             if not disk:
-                self._report.load_seconds.append(time.perf_counter() - started)
+                self.stats.observe_load(time.perf_counter() - started)
                 if job.is_async:
                     self._finished_loads.add(job.req_id)
                 continue
@@ -172,7 +175,7 @@ class SessionKVWorker:
             started = time.perf_counter()
             self.pool.save(self.kv, [s.block_id for s in plan.saves], [s.slot for s in plan.saves])
             self._report.saved.extend(s.key for s in plan.saves)
-            self._report.save_seconds.append(time.perf_counter() - started)
+            self.stats.observe_save(time.perf_counter() - started, len(plan.saves))
         self._released.update(plan.release)  # their blocks were copied (or not saved at all)
         for key in plan.removes:
             self._jobs.put(("remove", key))
@@ -201,7 +204,7 @@ class SessionKVWorker:
             elif kind == "written":
                 key, seconds = payload  # type: ignore[misc]
                 self._report.written.append(key)
-                self._report.save_seconds.append(seconds)
+                self.stats.observe_save(seconds)
             elif kind == "write_failed":
                 self._report.write_failed.append(payload)  # type: ignore[arg-type]
             elif kind == "redis_written":
@@ -223,6 +226,12 @@ class SessionKVWorker:
         """The completions since the last call (None when nothing happened)."""
         report, self._report = self._report, WorkerReport(rank=self.rank)
         return None if report.is_empty() else report
+
+    def take_stats(self) -> SessionKVStats | None:
+        """The durations and block counts since the last call (None when there are none).
+        Only rank 0 reports them: every rank moves its share of the same blocks."""
+        stats = self.stats.take()
+        return stats if self.rank == 0 else None
 
     def shutdown(self) -> None:
         """Finish queued disk jobs and stop the I/O thread."""
@@ -261,7 +270,7 @@ class SessionKVWorker:
                     self._loads.pop(read.req_id)
                     self._finished_loads.add(read.req_id)
                     self._load_errors |= load.failed_blocks
-                    self._report.load_seconds.append(time.perf_counter() - load.started)
+                    self.stats.observe_load(time.perf_counter() - load.started)
         if read.slot != NO_SLOT:
             self._report.released_slots.append(read.slot)
 

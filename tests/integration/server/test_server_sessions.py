@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
@@ -153,6 +155,40 @@ def test_sessions_survive_a_restart(lgkv_server: ServerProcess) -> None:
     assert after["num_blocks"] == before["num_blocks"] >= 2
     usage = _talk(lgkv_server, "api-restart")["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 256  # loaded from disk
+    # The worker's measurements of that load, and of the saves of a turn that adds blocks, reach
+    # /metrics on vLLM's connector stats path (server/kv/stats.py), from zero since the restart.
+    _talk(lgkv_server, "api-restart", PROMPT + " " + " ".join(f"More {i}." for i in range(90)))
+    samples = _worker_samples(
+        lgkv_server, until=lambda s: min(s.get(f"lgkv_{k}_seconds_count", 0) for k in LS) > 0
+    )
+    assert samples["lgkv_load_seconds_count"] >= 1
+    assert samples["lgkv_load_seconds_sum"] > 0
+    assert samples["lgkv_save_seconds_count"] >= 1
+    assert samples["lgkv_saved_blocks_total"] >= 1
+
+
+LS = ("load", "save")
+
+
+def _worker_samples(server: ServerProcess, until: Callable[[dict[str, float]], bool]) -> dict:
+    """The ``lgkv_load/save_seconds`` and ``lgkv_saved_blocks`` samples of ``/metrics``, summed
+    over their labels; scraped again (up to 30 s) until ``until`` holds, since vLLM records a
+    step's stats after it hands the step's outputs to the requests."""
+    families = ("lgkv_load_seconds", "lgkv_save_seconds", "lgkv_saved_blocks")
+    deadline = time.monotonic() + 30
+    while True:
+        with server.client() as c:
+            text = c.get("/metrics").text
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(families) and "_bucket" not in line:
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                samples[name] = samples.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if until(samples) or time.monotonic() > deadline:
+            assert "# TYPE lgkv_load_seconds histogram" in text
+            assert "# TYPE lgkv_saved_blocks_total counter" in text
+            return samples
+        time.sleep(0.2)
 
 
 def test_no_kv_offload_session_api_is_503(plain_server: ServerProcess) -> None:

@@ -125,10 +125,10 @@ def test_ttl_expiry_drops_session(control: SessionControl) -> None:
 def test_prefetch_without_engine_and_metrics(control: SessionControl) -> None:
     control.registry.record_turn("t", "s", _keys("a", "b"), 8, default_ttl_s=None)
     assert asyncio.run(control.prefetch("s", "t")) == {"blocks": 2, "ram_blocks": 0}
-    control.registry.add_stats({"lgkv_saved_blocks_total": 2}, {'lgkv_tier_bytes{tier="ram"}': 5})
-    control.registry.add_stats({"lgkv_saved_blocks_total": 3}, {'lgkv_tier_bytes{tier="ram"}': 7})
+    control.registry.add_stats({"lgkv_miss_blocks_total": 2}, {'lgkv_tier_bytes{tier="ram"}': 5})
+    control.registry.add_stats({"lgkv_miss_blocks_total": 3}, {'lgkv_tier_bytes{tier="ram"}': 7})
     m = control.metrics()
-    assert m["lgkv_saved_blocks_total"] == 5 and m['lgkv_tier_bytes{tier="ram"}'] == 7
+    assert m["lgkv_miss_blocks_total"] == 5 and m['lgkv_tier_bytes{tier="ram"}'] == 7
     assert m["lgkv_sessions"] == 1 and m['lgkv_hit_blocks_total{tier="disk"}'] == 0
 
 

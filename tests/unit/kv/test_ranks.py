@@ -14,7 +14,7 @@ A, B = "aa" * 32, "bb" * 32
 
 def test_one_rank_passes_reports_through() -> None:
     tally = RankTally(1)
-    report = WorkerReport(saved=[A], released_slots=[3, 3], load_seconds=[0.1])
+    report = WorkerReport(saved=[A], released_slots=[3, 3])
     assert tally.combine([report]) == report
     assert tally.pending() == 0
 
@@ -57,13 +57,6 @@ def test_a_slot_use_ends_when_every_rank_released_it() -> None:
     assert sorted(out.released_slots) == [5, 6]
     assert tally.combine([WorkerReport(rank=1, released_slots=[5])]).released_slots == [5]
     assert tally.pending() == 0
-
-
-def test_timings_come_from_rank_zero() -> None:
-    out = RankTally(2).combine(
-        [WorkerReport(rank=1, save_seconds=[9.0]), WorkerReport(rank=0, save_seconds=[1.0])]
-    )
-    assert out.save_seconds == [1.0]
 
 
 def test_a_report_of_an_unknown_rank_is_an_error() -> None:

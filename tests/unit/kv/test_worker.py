@@ -23,13 +23,16 @@ def caches() -> dict[str, torch.Tensor]:
     return {n: torch.randn(NUM_BLOCKS, *SHAPE) for n in LAYERS}
 
 
-def make(tmp_path: Path, kv: dict[str, torch.Tensor], slots: int = 4) -> SessionKVWorker:
+def make(
+    tmp_path: Path, kv: dict[str, torch.Tensor], slots: int = 4, rank: int = 0
+) -> SessionKVWorker:
     manifest = Manifest("m", "torch.float32", 8, tuple(LAYERS), (LAYER_BYTES,) * 2, "x")
     worker = SessionKVWorker(
         num_slots=slots,
         layers=LAYERS,
         layer_block_bytes=[LAYER_BYTES] * 2,
         store=DiskStore(tmp_path, manifest),
+        rank=rank,
     )
     worker.register_kv_caches(kv, NUM_BLOCKS)
     return worker
@@ -58,6 +61,21 @@ def test_save_then_sync_load_from_ram(tmp_path: Path) -> None:
     report = worker.take_report()
     assert report is not None and report.saved == [KEYS[0]] and report.released_slots == [1]
     worker.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stats_measure_saves_and_loads_on_rank_zero_only(tmp_path: Path, rank: int) -> None:
+    worker = make(tmp_path, caches(), rank=rank)
+    worker.save(StepPlan(saves=[SaveItem(b, KEYS[b], b, to_disk=False) for b in (2, 3)]))
+    worker.start_load(StepPlan(loads=[LoadJob("r", (LoadItem(9, KEYS[2], 2, "ram"),), False)]))
+    stats = worker.take_stats()
+    worker.shutdown()
+    if rank:
+        assert stats is None  # rank 0's measurements stand for every rank
+        return
+    assert stats is not None and stats.data["saved_blocks"] == 2
+    assert len(stats.data["save_seconds"]) == 1 and len(stats.data["load_seconds"]) == 1
+    assert worker.take_stats() is None  # taken: the next interval starts empty
 
 
 def test_disk_roundtrip_async_and_corruption(tmp_path: Path) -> None:

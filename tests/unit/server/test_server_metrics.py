@@ -33,11 +33,8 @@ def test_collector_exposes_every_contract_sample(tmp_path: Path) -> None:
         'lgkv_hit_blocks_total{tier="ram"}',
         'lgkv_hit_blocks_total{tier="disk"}',
         "lgkv_miss_blocks_total",
-        "lgkv_saved_blocks_total",
         'lgkv_tier_bytes{tier="disk"}',
         'lgkv_tier_blocks{tier="ram"}',
-        "lgkv_load_seconds_sum",
-        "lgkv_save_seconds_count",
         'lgkv_evicted_blocks_total{tier="ram"}',
     ):
         assert name in text, name
@@ -56,8 +53,6 @@ def lgkv_families(text: str) -> dict[str, tuple[str, str]]:
 
 def test_family_of() -> None:
     assert family_of("lgkv_hit_blocks_total") == ("lgkv_hit_blocks", "counter")
-    assert family_of("lgkv_load_seconds_sum") == ("lgkv_load_seconds", "summary")
-    assert family_of("lgkv_load_seconds_count") == ("lgkv_load_seconds", "summary")
     assert family_of("lgkv_tier_bytes") == ("lgkv_tier_bytes", "gauge")
 
 
@@ -72,9 +67,8 @@ def test_every_family_is_typed_and_explained(tmp_path: Path) -> None:
     families = lgkv_families(text)
     assert families["lgkv_hit_blocks_total"][0] == "counter"
     assert families["lgkv_tier_bytes"][0] == "gauge"
-    assert families["lgkv_load_seconds"][0] == "summary"
     for name, (kind, help_text) in families.items():
-        assert kind in {"counter", "gauge", "summary"}, (name, kind)
+        assert kind in {"counter", "gauge"}, (name, kind)
         base = name.removesuffix("_total")
         assert help_text and help_text != base, f"{name} has no help text"
 
