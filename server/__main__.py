@@ -18,14 +18,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from server.config import (
-    ConfigError,
-    ServerConfig,
-    add_flags,
-    env_settings,
-    flag_values,
-    settings_table,
-)
+from server.config import ConfigError, ServerConfig, env_settings, settings_table
+from server.flags import add_flags, flag_values
 
 log = logging.getLogger("server")
 

@@ -2,9 +2,9 @@
 
 Every field of :class:`ServerConfig` is declared once, with its :class:`server.options.Setting`
 (flag, ``LGKV_*`` variable, parser, help, connector key). From that one table come the
-environment (:func:`env_settings`), our command-line flags (:func:`add_flags`,
-:func:`flag_values`), ``--help``, ``docs/configuration.md`` and the dict that crosses to the KV
-connector (:func:`connector_extra_config`); the connector takes its defaults from here too
+environment (:func:`env_settings`), our command-line flags and ``--help`` (:mod:`server.flags`),
+``docs/configuration.md`` and the dict that crosses to the KV connector
+(:func:`connector_extra_config`); the connector takes its defaults from here too
 (:func:`connector_defaults`), so ``vllm serve --kv-transfer-config ...`` with our connector
 behaves like ``python -m server``. A flag beats the variable, the variable beats the default.
 Flags of vLLM that the table does not name (``--tensor-parallel-size``,
@@ -16,7 +16,6 @@ Sizes accept plain bytes or units: ``512MiB``, ``2GiB``, ``1.5GB``, ``64M`` (bin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -45,11 +44,9 @@ __all__ = [
     "KV_OFFLOAD_DTYPES",
     "ConfigError",
     "ServerConfig",
-    "add_flags",
     "connector_defaults",
     "connector_extra_config",
     "env_settings",
-    "flag_values",
     "parse_bool",
     "parse_seconds",
     "parse_size",
@@ -353,58 +350,6 @@ def env_settings(env: Mapping[str, str]) -> dict[str, object]:
             continue
         value = s.parse(raw, name=s.env)
         out[name] = not value if s.negated else value
-    return out
-
-
-def add_flags(parser: argparse.ArgumentParser, *, include_vllm: bool) -> None:
-    """Add the table's flags to ``parser``: all of them, or only those vLLM lacks (a group).
-
-    Each flag's value lands in the namespace under its field name (see :func:`flag_values`).
-    """
-    target: Any = parser
-    if not include_vllm:
-        target = parser.add_argument_group(
-            "LangGraphKVCache",
-            "The session KV cache (RAM + disk tiers). Each flag also reads an LGKV_* variable.",
-        )
-    for name, s in settings_table():
-        if s.flag is None or (s.vllm and not include_vllm):
-            continue
-        if s.switch:
-            target.add_argument(s.flag, dest=name, action="store_true", default=None, help=s.help)
-        elif s.many:
-            target.add_argument(s.flag, dest=name, nargs="+", help=s.help)
-        else:
-            target.add_argument(
-                s.flag, dest=name, type=_argtype(s), choices=s.choices, help=s.help
-            )
-
-
-def _argtype(s: Setting) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            return s.parse(text, name=s.flag)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-
-    parse.__name__ = s.flag or "value"
-    return parse
-
-
-def flag_values(ns: argparse.Namespace) -> dict[str, object]:
-    """The fields given on the command line (parsed by a parser built with :func:`add_flags`)."""
-    out: dict[str, object] = {}
-    for name, s in settings_table():
-        value = getattr(ns, name, None)
-        if s.flag is None or value is None:
-            continue
-        if s.switch:
-            if value:
-                out[name] = not s.negated
-        elif s.many:
-            out[name] = tuple(value)
-        else:
-            out[name] = value
     return out
 
 

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from server.kv.metadata import NO_SLOT
+from server.kv.metadata import NO_SLOT, WorkerReport
 from server.kv.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,26 @@ class BlockIndex:
         self._forget_if_empty(state)
 
     # ------------------------------------------------------------- worker events
+
+    def apply(self, report: WorkerReport) -> None:
+        """Apply the worker's completions: RAM copies, reads, disk writes and failures, slots
+        released. A Redis write only marks the block's location changed: the publisher, not
+        the index, tracks what is in Redis and for how long."""
+        owners = self.slot_owners() if report.released_slots else {}
+        for key in report.saved:
+            self.saved(key)
+        for key in report.read_ok:
+            self.read_ok(key)
+        for key in report.written:
+            self.written(key)
+        for key in report.redis_written:
+            self.dirty.add(key)
+        for key in report.write_failed:
+            self.disk_lost(key)
+        for key in report.read_failed:
+            self.read_failed(key)
+        for slot in report.released_slots:
+            self.release(slot, owners)
 
     def saved(self, key: str) -> None:
         """The RAM copy of a save finished."""

@@ -28,15 +28,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from langgraph_kvcache.contract import (
-    DEFAULT_TENANT,
-    XARG_OP,
-    XARG_SESSION,
-    XARG_TENANT,
-)
 from server.kv.control_ops import CONTROL_OPS, ControlOps
 from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
@@ -47,36 +40,15 @@ from server.kv.redis_lookups import RedisLookups
 from server.kv.registry_api import EngineRegistry
 from server.kv.registry_shared import open_registry
 from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
+from server.kv.requests import Lookup, Tracked, track
 from server.kv.settings import ConnectorSettings
-from server.kv.tails import TailBook, TailHit
+from server.kv.tails import TailBook
 from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
 _NO_STATE = BlockState("")
 _IDLE_POLL_S = 0.002
-
-
-@dataclass
-class _Tracked:
-    """A request the scheduler side follows until it finishes."""
-
-    request: Any
-    block_ids: list[int] = field(default_factory=list)
-    saved_upto: int = 0
-    session: tuple[str, str] | None = None
-    op: str | None = None
-    loading: bool = False
-    """An asynchronous load of the request is (or may be) in flight: no tail save."""
-
-
-@dataclass
-class _Lookup:
-    start: int
-    keys: list[str]
-    tiers: list[str]
-    misses: int
-    tail: TailHit | None = None
 
 
 class SessionKVScheduler:
@@ -127,8 +99,8 @@ class SessionKVScheduler:
             disk_bytes=settings.disk_bytes if num_slots else 0,
             policy=self.policy,
         )
-        self._tracked: dict[str, _Tracked] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self._lookups: dict[str, Lookup] = {}
         self._removing: set[str] = set()
         """Keys whose file removal was planned and not yet confirmed by the worker."""
         self._plan = StepPlan()
@@ -153,7 +125,7 @@ class SessionKVScheduler:
         """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async; None
         ("not yet") while a Redis check or a control request's work is outstanding."""
         self._begin_step()
-        tracked = self._track(request)
+        tracked = track(self._tracked, request)
         if tracked.op in CONTROL_OPS:
             return self._ops.step(request.request_id, tracked.op, tracked.session, self._plan)
         hashes = request.block_hashes
@@ -180,7 +152,7 @@ class SessionKVScheduler:
                 tiers.append("redis")
         misses = max(0, end - start - len(keys))
         tail = self.tails.find(request, start + len(keys), self.index.tier_of)
-        self._lookups[request.request_id] = _Lookup(start, keys, tiers, misses, tail)
+        self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail)
         if not keys and tail is None:
             return 0, False
         is_async = any(t != "ram" for t in tiers) or (tail is not None and tail.tier != "ram")
@@ -235,7 +207,7 @@ class SessionKVScheduler:
         is_async = any(t != "ram" for t in tiers)
         self._plan.loads.append(LoadJob(request.request_id, tuple(items), is_async))
         if is_async:
-            self._track(request).loading = True
+            track(self._tracked, request).loading = True
 
     # -------------------------------------------------------------------- plans
 
@@ -300,22 +272,9 @@ class SessionKVScheduler:
 
     def on_report(self, report: WorkerReport) -> None:
         """Apply the worker's completions to the index."""
-        owners = self.index.slot_owners() if report.released_slots else {}
-        for key in report.saved:
-            self.index.saved(key)
-        for key in report.read_ok:
-            self.index.read_ok(key)
-        for key in report.written:
-            self.index.written(key)
+        self.index.apply(report)
         for key in report.redis_written:
             self.publisher.redis_written(key)
-            self.index.dirty.add(key)
-        for key in report.write_failed:
-            self.index.disk_lost(key)
-        for key in report.read_failed:
-            self.index.read_failed(key)
-        for slot in report.released_slots:
-            self.index.release(slot, owners)
         self._removing.difference_update(report.removed)
         self._ops.confirmed(set(report.read_ok) | set(report.read_failed) | set(report.removed))
         self._ops.advance()
@@ -387,17 +346,6 @@ class SessionKVScheduler:
         self._apply_events()
 
     # ----------------------------------------------------------------- helpers
-
-    def _track(self, request: Any) -> _Tracked:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None:
-            extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-            sid, tenant = extra.get(XARG_SESSION), extra.get(XARG_TENANT) or DEFAULT_TENANT
-            session = (str(tenant), str(sid)) if isinstance(sid, str) and sid else None
-            op = extra.get(XARG_OP)
-            tracked = _Tracked(request, session=session, op=op if isinstance(op, str) else None)
-            self._tracked[request.request_id] = tracked
-        return tracked
 
     def _begin_step(self) -> None:
         """Apply the registry thread's events once a step, at the step's first call (so a
