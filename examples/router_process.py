@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from examples.server_process import Managed, _die_with_parent, free_port, log_tail
+from examples.server_process import Managed, _die_with_parent, free_port
 
 __all__ = ["ROUTER_FLAGS", "RouterProcess", "RouterStartError"]
 
@@ -114,19 +113,9 @@ class RouterProcess(Managed):
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def url(self) -> str:
-        """Root URL, e.g. ``http://127.0.0.1:30000`` (``ChatKVCache`` wants ``url + "/v1"``)."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def metrics_url(self) -> str:
         """The router's Prometheus endpoint."""
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    @property
-    def running(self) -> bool:
-        """True while the child process is alive."""
-        return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
         """The command line :meth:`start` runs."""
@@ -220,23 +209,3 @@ class RouterProcess(Managed):
             if all(given.get(k) == v for k, v in labels.items()):
                 total += float(found.group(2))
         return total
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait, SIGKILL of the process group if it hangs; the exit code."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        atexit.unregister(self.stop)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            self.progress("stopped")
-        return proc.returncode
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the router log."""
-        return log_tail(self.log_path, lines)

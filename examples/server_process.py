@@ -128,13 +128,56 @@ _M = TypeVar("_M", bound="Managed")
 
 
 class Managed:
-    """``with`` support of the child-process helpers: enter starts, exit stops (always)."""
+    """A child process the helpers start and stop: ``with`` support (enter starts, exit
+    stops, always), its URL, and one way of stopping it (SIGTERM, then SIGKILL of its
+    process group). Subclasses set ``port``, ``log_path``, ``stop_timeout_s`` and
+    ``progress``, and implement :meth:`start`, which puts the child in ``_proc``."""
+
+    port: int
+    log_path: Path
+    stop_timeout_s: float
+    progress: Callable[[str], None]
+    _proc: subprocess.Popen[bytes] | None = None
 
     def start(self: _M) -> _M:
         raise NotImplementedError
 
-    def stop(self) -> object:
-        raise NotImplementedError
+    @property
+    def url(self) -> str:
+        """Root URL, e.g. ``http://127.0.0.1:41234`` (``ChatKVCache`` wants ``url + "/v1"``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        """True while the child process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (clean shutdown), SIGKILL of the process group if it hangs.
+
+        Returns the exit code (``None`` if it was not running). A clean stop reads 0 or -15
+        (uvicorn re-raises the SIGTERM it handled).
+        """
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        atexit.unregister(self.stop)
+        if proc.poll() is None:
+            self.progress("stopping...")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.progress(f"no exit after {self.stop_timeout_s:.0f}s: SIGKILL")
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            clean = proc.returncode in (0, -signal.SIGTERM)
+            self.progress("stopped cleanly" if clean else f"exited with {proc.returncode}")
+        return proc.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the child's log."""
+        return log_tail(self.log_path, lines)
 
     def __enter__(self: _M) -> _M:
         return self.start()
@@ -221,19 +264,9 @@ class ServerProcess(Managed):
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def url(self) -> str:
-        """Root URL, e.g. ``http://127.0.0.1:41234`` (``ChatKVCache`` wants ``url + "/v1"``)."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def model_name(self) -> str:
         """The served model name (``GET /v1/models``), what ``ChatKVCache(model=...)`` sends."""
         return str(httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"])
-
-    @property
-    def running(self) -> bool:
-        """True while the child process is alive."""
-        return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
         """The command line :meth:`start` runs."""
@@ -306,29 +339,6 @@ class ServerProcess(Managed):
             f"start_timeout_s or read {self.log_path}:\n{self.log_tail()}"
         )
 
-    def stop(self) -> int | None:
-        """SIGTERM and wait (clean shutdown), SIGKILL of the process group if it hangs.
-
-        Returns the exit code (``None`` if it was not running). A clean stop reads 0 or -15
-        (uvicorn re-raises the SIGTERM it handled).
-        """
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        atexit.unregister(self.stop)
-        if proc.poll() is None:
-            self.progress("stopping...")
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                self.progress(f"no exit after {self.stop_timeout_s:.0f}s: SIGKILL")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-            clean = proc.returncode in (0, -signal.SIGTERM)
-            self.progress("stopped cleanly" if clean else f"exited with {proc.returncode}")
-        return proc.returncode
-
     def kill(self) -> None:
         """Crash the server: SIGKILL to its process group (API server and engine core)."""
         proc, self._proc = self._proc, None
@@ -348,7 +358,3 @@ class ServerProcess(Managed):
     def omp_cores(self) -> str:
         """The cores its engine bound OpenMP threads to, from its log (:func:`omp_cores`)."""
         return omp_cores(self.log_path)
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the server log."""
-        return log_tail(self.log_path, lines)
