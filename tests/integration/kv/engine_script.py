@@ -82,7 +82,9 @@ class Runner:
 
 
 def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from kv_engine import make_llm, reset_cache, settle
+    from kv_engine import make_llm, settle
+
+    from server.kv.offline import reset_prefix_cache
 
     llm = make_llm(spec["engine"])
     runner = Runner(llm.get_tokenizer())
@@ -102,7 +104,7 @@ def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         prompt = runner.prompt(turn)
         if turn.get("reset"):
-            reset_cache(llm)
+            reset_prefix_cache(llm)
         out = llm.generate([{"prompt_token_ids": prompt}], runner.params(turn), use_tqdm=False)
         runner.record(turn, prompt, out[0])
     llm.llm_engine.engine_core.shutdown()
@@ -110,9 +112,10 @@ def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    from kv_engine import make_async_llm, reset_cache_async
+    from kv_engine import make_async_llm
 
     from server.kv.control import SessionControl
+    from server.kv.offline import reset_prefix_cache_async
 
     engine = make_async_llm(spec["engine"])
     cache_dir = Path(spec["engine"]["kv_connector_extra_config"]["cache_dir"])
@@ -125,7 +128,7 @@ async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             prompt = runner.prompt(turn)
             if turn.get("reset"):
-                await reset_cache_async(engine)
+                await reset_prefix_cache_async(engine)
             final = None
             async for out in engine.generate(
                 {"prompt_token_ids": prompt}, runner.params(turn), request_id=uuid.uuid4().hex

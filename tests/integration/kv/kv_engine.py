@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from server.kv.offline import reset_prefix_cache, reset_prefix_cache_async
-
 BLOCK = 128
 RAM_BLOCKS = 8
 DISK_BLOCKS = 24
@@ -70,12 +68,6 @@ def settle(llm: Any) -> None:
 
     params = SamplingParams(max_tokens=1, extra_args={XARG_OP: SYNC_OP})
     llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
-
-
-reset_cache = reset_prefix_cache
-"""Reset vLLM's prefix cache, so the next hit must come from the connector's tiers."""
-
-reset_cache_async = reset_prefix_cache_async
 
 
 def make_llm(kwargs: dict[str, Any]) -> Any:

@@ -23,12 +23,12 @@ from kv_engine import (
     DISK_BLOCKS,
     RAM_BLOCKS,
     engine_kwargs,
-    reset_cache,
     run_engine_script,
     settle,
 )
 
 from server.kv.control import SessionControl
+from server.kv.offline import reset_prefix_cache
 from server.kv.registry import Registry
 from server.kv.tiers.disk import MANIFEST_FILE
 
@@ -195,7 +195,7 @@ def test_concurrent_sessions_keep_their_own_kv(llm: Any, registry: Registry) -> 
     refs = {s: turn(llm, p, None, cache=False) for s, p in prompts.items()}
 
     def batch() -> dict[str, Any]:
-        reset_cache(llm)  # the second batch must load from the tiers
+        reset_prefix_cache(llm)  # the second batch must load from the tiers
         params = [
             SamplingParams(
                 max_tokens=8,
