@@ -24,7 +24,8 @@ an event done once every rank reported it: :mod:`server.kv.ranks`).
 
 One I/O thread runs disk jobs: reads first, then writes and removals in FIFO order (a removal
 planned before a write of the same key runs first). A read of a block whose write is still
-queued is served from that write's buffer. Any disk error is a miss plus a warning, never an
+queued is served from that write's buffer. Redis reads queued together go in one pipelined
+round trip (up to 64 blocks). Any disk or Redis error is a miss plus a warning, never an
 exception to vLLM.
 """
 
@@ -34,13 +35,13 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from server.kv.codec import BlockCodec
 from server.kv.formats import BlockFormat
+from server.kv.io_queue import JobQueue
 from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
 from server.kv.tiers.disk import DiskStore
@@ -106,7 +107,7 @@ class SessionKVWorker:
         self._released: set[str] = set()
         self._load_errors: set[int] = set()
         self._done: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._jobs = _JobQueue()
+        self._jobs = JobQueue()
         self._pending_writes: dict[str, torch.Tensor] = {}
         self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="lgkv-disk-io", daemon=True)
@@ -274,6 +275,26 @@ class SessionKVWorker:
         if read.slot != NO_SLOT:
             self._report.released_slots.append(read.slot)
 
+    def _read_redis(self, reads: list[_Read]) -> None:
+        """Read several queued Redis blocks in one round trip (a block whose disk write is
+        still queued is served from the write's buffer, as disk reads are)."""
+        assert self.redis is not None
+        fetch: list[_Read] = []
+        for read in reads:
+            with self._pending_lock:
+                queued = self._pending_writes.get(read.key)
+            if queued is None:
+                fetch.append(read)
+            else:
+                read.buffer.copy_(queued)
+                self._done.put(("read", read))
+        errors = self.redis.read_many_into(
+            [r.key for r in fetch], [memoryview(r.buffer.numpy()) for r in fetch]
+        )
+        for read, error in zip(fetch, errors, strict=True):
+            read.error = error
+            self._done.put(("read", read))
+
     def _io_loop(self) -> None:
         while True:
             job = self._jobs.get()
@@ -289,16 +310,18 @@ class SessionKVWorker:
         store = self.store
         if kind == "read":
             assert isinstance(payload, _Read)
-            source = self.redis if payload.source == "redis" else store
+            if payload.source == "redis" and self.redis is not None:
+                self._read_redis([payload, *self._jobs.take_reads(_is_redis_read, 63)])
+                return
             with self._pending_lock:
                 queued = self._pending_writes.get(payload.key)
             if queued is not None:  # its write waits behind others: serve the bytes we hold
                 payload.buffer.copy_(queued)
-            elif source is None:
+            elif store is None:
                 payload.error = f"no {payload.source} tier"
             else:
                 try:
-                    source.read_into(payload.key, memoryview(payload.buffer.numpy()))
+                    store.read_into(payload.key, memoryview(payload.buffer.numpy()))
                 except OSError as e:
                     payload.error = str(e)
             self._done.put(("read", payload))
@@ -332,40 +355,5 @@ class SessionKVWorker:
             self._done.put(("removed", payload))  # confirmed even when it failed
 
 
-class _JobQueue:
-    """Disk jobs for the I/O thread: reads first (a request waits on them), then writes and
-    removals in FIFO order. A read of a block whose write is still queued is served from the
-    write's buffer, so reads never see a missing file for a block that is being written."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._reads: deque[tuple[str, object]] = deque()
-        self._jobs: deque[tuple[str, object]] = deque()
-        self._closed = False
-
-    def put(self, job: tuple[str, object]) -> None:
-        with self._cond:
-            self._jobs.append(job)
-            self._cond.notify()
-
-    def put_read(self, job: tuple[str, object]) -> None:
-        with self._cond:
-            self._reads.append(job)
-            self._cond.notify()
-
-    def close(self) -> None:
-        """Stop after the queued jobs."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def get(self) -> tuple[str, object] | None:
-        """The next job, or None once closed and empty."""
-        with self._cond:
-            while not (self._reads or self._jobs or self._closed):
-                self._cond.wait()
-            if self._reads:
-                return self._reads.popleft()
-            if self._jobs:
-                return self._jobs.popleft()
-            return None
+def _is_redis_read(payload: object) -> bool:
+    return isinstance(payload, _Read) and payload.source == "redis"

@@ -75,11 +75,39 @@ class RedisStore:
         self._call(lambda: self._client.set(self.name(key), value, px=self.ttl_ms))
 
     def read_into(self, key: str, out: memoryview) -> None:
-        """Fill ``out`` with the block (this rank's shard; and refresh its TTL)."""
-        raw = self._call(lambda: self._client.getex(self.name(key), px=self.ttl_ms))
-        if raw is None:
-            raise BlockFileError(f"redis {key[:16]}: missing (expired or evicted)")
-        parse_block(raw, key, out, f"redis {key[:16]}", self.rank)
+        """Fill ``out`` with the block (this rank's shard; and refresh its TTL); an
+        ``OSError`` says why it is a miss."""
+        error = self.read_many_into([key], [out])[0]
+        if error is not None:
+            raise BlockFileError(error)
+
+    def read_many_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[str | None]:
+        """Fill each ``outs[i]`` with block ``keys[i]`` in one round trip (a pipeline of
+        ``GETEX``, refreshing the TTLs); per block, None when it was read, else why it is a
+        miss (missing, damaged, or Redis unavailable)."""
+        if not keys:
+            return []
+        try:
+
+            def query() -> list[bytes | None]:
+                pipe = self._client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.getex(self.name(key), px=self.ttl_ms)
+                return pipe.execute()
+
+            raws = self._call(query)
+        except OSError as e:
+            return [str(e)] * len(keys)
+        errors: list[str | None] = []
+        for key, out, raw in zip(keys, outs, raws, strict=True):
+            try:
+                if raw is None:
+                    raise BlockFileError(f"redis {key[:16]}: missing (expired or evicted)")
+                parse_block(raw, key, out, f"redis {key[:16]}", self.rank)
+                errors.append(None)
+            except OSError as e:
+                errors.append(str(e))
+        return errors
 
     def remove(self, key: str) -> bool:
         """Delete a block (every rank's key this store covers)."""

@@ -35,6 +35,28 @@ def manifest() -> Iterator[Manifest]:
             client.delete(k)
 
 
+def test_many_blocks_in_one_round_trip(manifest: Manifest) -> None:
+    import redis
+
+    store = RedisStore(URL, manifest, ttl_s=30)
+    keys = [f"{i:02x}" * 32 for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        store.write(key, memoryview(bytes([i]) * 100))
+    client = redis.Redis.from_url(URL)
+    raw = bytearray(client.get(store.prefix + keys[1]))
+    raw[-1] ^= 1
+    client.set(store.prefix + keys[1], bytes(raw))
+    outs = [bytearray(100) for _ in keys]
+    errors = store.read_many_into(keys, [memoryview(o) for o in outs])
+    assert errors[0] is None and bytes(outs[0]) == bytes([0]) * 100
+    assert errors[1] is not None and "checksum" in errors[1]  # damaged: that block only
+    assert errors[2] is None and bytes(outs[2]) == bytes([2]) * 100
+    assert errors[3] is not None and "missing" in errors[3]
+    assert store.read_many_into([], []) == []
+    down = RedisStore("redis://127.0.0.1:1/0", manifest, ttl_s=30, timeout_s=0.2)
+    assert all(e for e in down.read_many_into(keys[:2], [memoryview(o) for o in outs[:2]]))
+
+
 def test_roundtrip_ttl_and_damage(manifest: Manifest) -> None:
     import redis
 
