@@ -145,7 +145,8 @@ class ServerConfig:
     )  # fmt: skip
     """Resident (paged, on-device) KV cache budget, printed at start. ``None``: on CPU 512 MiB,
     or one ``--max-model-len`` context of the model if that needs more (the RAM and disk tiers
-    hold the rest; vLLM's CPU default would take 92% of the memory node); on GPUs vLLM sizes it
+    hold the rest; vLLM's CPU default would take 92% of the memory node), split over
+    ``--tensor-parallel-size`` workers (vLLM reads the value per worker); on GPUs vLLM sizes it
     itself (``--gpu-memory-utilization``)."""
 
     kv_offload: bool = setting(

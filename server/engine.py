@@ -151,18 +151,36 @@ def vllm_argv(config: ServerConfig) -> list[str]:
 def resident_kv_bytes(
     config: ServerConfig, model: str, dtype: str, on_cpu: bool
 ) -> tuple[int | None, str]:
-    """The resident KV budget (``--kv-cache-memory-bytes``) to give vLLM, and where it comes
-    from: the flag; on CPU :data:`~server.config.DEFAULT_CPU_KV_CACHE_MEMORY_BYTES`, raised to
-    one ``--max-model-len`` context of the model where that needs more; on GPUs ``None``
-    (vLLM's own ``--gpu-memory-utilization`` sizing)."""
+    """The resident KV budget (``--kv-cache-memory-bytes``, per worker as vLLM reads it) to
+    give vLLM, and where it comes from: the flag, as given; on CPU
+    :data:`~server.config.DEFAULT_CPU_KV_CACHE_MEMORY_BYTES` in all, raised to one
+    ``--max-model-len`` context of the model where that needs more, and split over the
+    tensor-parallel workers (each holds its share of the heads); on GPUs ``None`` (vLLM's
+    own ``--gpu-memory-utilization`` sizing)."""
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
     if not on_cpu or _has_flag(config.vllm_args, "--gpu-memory-utilization"):
         return None, "vLLM's own sizing (--gpu-memory-utilization)"
+    tp = _tensor_parallel_size(config.vllm_args)
+    per = f", {tp} tensor-parallel workers" if tp > 1 else ""
     context = _context_bytes(model, dtype, config.max_model_len)
     if context is not None and context[0] > DEFAULT_CPU_KV_CACHE_MEMORY_BYTES:
-        return context[0], f"one {context[1]}-token context of the model (CPU default)"
-    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, "CPU default"
+        why = f"one {context[1]}-token context of the model (CPU default{per})"
+        return -(-context[0] // tp), why
+    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES // tp, f"CPU default{per}"
+
+
+def _tensor_parallel_size(args: tuple[str, ...]) -> int:
+    """``--tensor-parallel-size``/``-tp`` among vLLM's pass-through flags (1 without)."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"):
+            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return max(1, int(raw))
+            except ValueError:
+                return 1  # vLLM's own parser reports the bad value
+    return 1
 
 
 def _context_bytes(model: str, dtype: str, max_model_len: int | None) -> tuple[int, int] | None:

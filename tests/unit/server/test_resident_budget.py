@@ -42,6 +42,16 @@ def test_cpu_default_grows_to_one_context_when_the_context_needs_more(model: str
     assert half == 313 * 128 * 46_080 // 2
 
 
+@pytest.mark.parametrize("flag", [("--tensor-parallel-size", "2"), ("-tp=2",)])
+def test_tensor_parallel_workers_split_the_cpu_budget(model: str, flag: tuple[str, ...]) -> None:
+    # On CPU --kv-cache-memory-bytes is per worker: two workers with half the heads each.
+    budget, why = resident_kv_bytes(ServerConfig(vllm_args=flag), model, "float32", True)
+    assert budget == DEFAULT_CPU_KV_CACHE_MEMORY_BYTES // 2
+    assert why == "CPU default, 2 tensor-parallel workers"
+    long = ServerConfig(max_model_len=20_000, vllm_args=flag)
+    assert resident_kv_bytes(long, model, "float32", True)[0] == 157 * 128 * 46_080 // 2
+
+
 def test_the_flag_wins_and_gpus_keep_vllm_sizing(model: str) -> None:
     given = ServerConfig(kv_cache_memory_bytes=96 << 20)
     assert resident_kv_bytes(given, model, "float32", on_cpu=True) == (
