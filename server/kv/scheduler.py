@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from server.kv.control_ops import CONTROL_OPS, ControlOps
@@ -103,6 +104,8 @@ class SessionKVScheduler:
         self._lookups: dict[str, Lookup] = {}
         self._removing: set[str] = set()
         """Keys whose file removal was planned and not yet confirmed by the worker."""
+        self._to_redis: set[str] = set()
+        """Keys whose Redis write was planned and not yet reported done or failed."""
         self._plan = StepPlan()
         self._ops = ControlOps(
             self.index, self.policy, self.sync, lambda: self.flush(force=True), self._removing
@@ -140,18 +143,23 @@ class SessionKVScheduler:
                 break
             keys.append(key)
             tiers.append(tier)
+        tier_of = self.index.tier_of
         if self.redis_lookups is not None and start + len(keys) < end:
             rest = [block_key(h) for h in hashes[start + len(keys) : end]]
-            answer = self.redis_lookups.exists(request.request_id, rest)
+            # Tails another replica saved continue one of these blocks: ask in the same trip.
+            tails = self.tails.after(keys[-1:] + rest)
+            answer = self.redis_lookups.exists(request.request_id, rest + tails)
             if answer is None:
                 return None, False
-            for key, found in zip(rest, answer, strict=True):
+            for key, found in zip(rest, answer, strict=False):
                 if not found:
                     break
                 keys.append(key)
                 tiers.append("redis")
+            in_redis = {k for k, found in zip(tails, answer[len(rest) :], strict=True) if found}
+            tier_of = functools.partial(_local_or_redis, self.index.tier_of, in_redis)
         misses = max(0, end - start - len(keys))
-        tail = self.tails.find(request, start + len(keys), self.index.tier_of)
+        tail = self.tails.find(request, start + len(keys), tier_of)
         self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail)
         if not keys and tail is None:
             return 0, False
@@ -244,8 +252,7 @@ class SessionKVScheduler:
         if wanted:
             self._plan_saves(wanted)
         if self.tails.has_pending():
-            save = functools.partial(self._plan_saves, to_redis=False)
-            self.tails.plan(self.index, save, self._plan.release)
+            self.tails.plan(self.index, self._plan_saves, self._plan.release)
         if not scheduled and self._plan.is_empty() and not self.index.removes:
             # Nothing runs: the engine only polls for loads or writes to finish. Yield the
             # CPU (and the GIL) to the I/O thread instead of spinning.
@@ -255,14 +262,16 @@ class SessionKVScheduler:
         self._removing.update(plan.removes)
         return plan
 
-    def _plan_saves(self, wanted: list[tuple[int, str]], *, to_redis: bool = True) -> None:
+    def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
         keys = {k for _, k in wanted}
         slots = self.index.alloc_slots(len(wanted), protect=keys)
-        redis = to_redis and self.redis is not None
+        redis = self.redis is not None
         for (block_id, key), slot in zip(wanted, slots, strict=False):
             to_disk = self.index.reserve_disk(protect=keys)
             self.index.new_block(key, slot, to_disk)
             self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, redis))
+            if redis:
+                self._to_redis.add(key)
         if len(slots) < len(wanted):
             log.warning(
                 "RAM tier full of locked blocks: %d blocks not saved", len(wanted) - len(slots)
@@ -276,14 +285,16 @@ class SessionKVScheduler:
         for key in report.redis_written:
             self.publisher.redis_written(key)
         self._removing.difference_update(report.removed)
+        self._to_redis.difference_update(report.redis_written, report.redis_failed)
         self._ops.confirmed(set(report.read_ok) | set(report.read_failed) | set(report.removed))
         self._ops.advance()
         idle = not self._tracked and not self.has_pending_work()
         self.flush(force=idle)
 
     def has_pending_work(self) -> bool:
-        """True while disk writes or removes are unconfirmed (keeps the engine stepping)."""
-        if self.index.removes or self._removing or self._ops.pending():
+        """True while disk or Redis writes or removes are unconfirmed (keeps the engine
+        stepping, so a turn's last blocks reach every tier before an idle engine stops)."""
+        if self.index.removes or self._removing or self._to_redis or self._ops.pending():
             return True
         return any(s.on_disk and not s.disk_confirmed for s in self.index.blocks.values())
 
@@ -358,11 +369,13 @@ class SessionKVScheduler:
         for event in self.sync.drain():
             if isinstance(event, Snapshot):
                 self.policy.load(event.sessions, event.refs)
+                self.tails.learn(*(key for _, _, key in event.refs))
             elif isinstance(event, SessionChange):
                 if event.row is None:
                     self.policy.forget(event.tenant, event.session_id)
                 else:
                     self.policy.record(event.row, event.keys)
+                    self.tails.learn(*event.keys)  # another replica's tails, if any
             elif isinstance(event, Dropped):
                 self._drop(event.keys)
             elif isinstance(event, Done):
@@ -375,3 +388,8 @@ class SessionKVScheduler:
             self.publisher.redis_until.pop(key, None)
         if self.redis_lookups is not None:
             self.redis_lookups.remove(keys)  # else they expire with their TTL
+
+
+def _local_or_redis(local: Callable[[str], str | None], in_redis: set[str], key: str) -> str | None:
+    """The tier of ``key``: a local one, else ``"redis"`` when Redis said it holds it."""
+    return local(key) or ("redis" if key in in_redis else None)

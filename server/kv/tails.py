@@ -14,6 +14,9 @@ Contracts:
 - The scheduler side alone (no torch, never blocks). A tail becomes visible to lookups only
   once the plan carrying its save is built (:meth:`TailBook.take_pending`), so a lookup never
   plans a load of a tail whose copy has not been queued to the worker yet.
+- With a Redis tier a tail is written there too, like any block, and other replicas use it: they
+  learn a session's tails from its block list (the registry's changes), and a lookup that
+  reaches Redis asks for the tails continuing its blocks in the same round trip.
 - A tail costs one block slot in RAM and one block file on disk, like any block; it belongs to
   its session's block list (delete, expiry, copy and prefetch treat it as a block), is ranked
   before the session's full blocks for eviction (:mod:`server.kv.policy`), and is dropped when
@@ -94,6 +97,15 @@ class TailBook:
                 self._learnt += len(tails)
             else:
                 del self._by_parent[parent]
+
+    def after(self, parents: list[str]) -> list[str]:
+        """The known tails that continue any of the blocks ``parents`` (longest first per
+        parent): the candidates a Redis lookup checks together with those blocks."""
+        return [
+            key
+            for parent in parents
+            for key, _ in sorted(self._by_parent.get(parent, {}).items(), key=lambda kv: -kv[1])
+        ]
 
     def find(
         self, request: Any, full_blocks: int, tier_of: Callable[[str], str | None]

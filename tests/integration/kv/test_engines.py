@@ -135,3 +135,59 @@ def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -
     shared = RedisSessions(url, model_id)  # both replicas' sessions (namespace: the model id)
     assert shared.get_session("t", "A").turns == 2  # a turn on each replica
     shared.clear()
+
+
+def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Replica A's turn ends inside a block; B's next turn extends it token for token and
+    loads A's full blocks and A's partial tail block from Redis: only the new tokens are
+    computed, with the cache-off run's tokens and logprobs."""
+    import uuid
+
+    import redis
+
+    url = "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    model_id = f"tail-test-{uuid.uuid4().hex}"  # a fresh Redis namespace; keys expire
+
+    def replica(name: str) -> dict:
+        engine = engine_kwargs(tiny_model_dir, tmp_path / name)
+        engine["kv_connector_extra_config"].update(
+            redis_url=url, model_id=model_id, redis_ttl_s=120
+        )
+        return engine
+
+    prompt = [700 + i for i in range(3 * BLOCK + 20)]
+    (turn1,) = run_engine_script(
+        {  # the settle steps the engine once more: the turn's tail is saved in that step
+            "engine": replica("a"),
+            "turns": [{"prompt": prompt, "session": "T"}, {"settle": True}],
+        },
+        tmp_path,
+    )
+    tail = len(prompt) + len(turn1["tokens"]) - 1 - 3 * BLOCK  # A's last block: KV of these
+    nxt = [*prompt, *turn1["tokens"], *range(300, 310)]
+    hit, ref = run_engine_script(
+        {
+            "engine": replica("b"),
+            "turns": [
+                {"settle": True},  # B has read the registry's changes, as a running replica has
+                {"prompt": nxt, "session": "T"},
+                {"prompt": nxt, "cache": False},
+            ],
+        },
+        tmp_path,
+    )
+    assert hit["num_cached_tokens"] == 3 * BLOCK + tail  # B has no files of its own
+    assert hit["tokens"] == ref["tokens"]
+    assert hit["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
+    reg = Registry(tmp_path / "b" / "sessions.sqlite3")
+    stats = reg.stats()
+    reg.close()
+    assert stats['lgkv_hit_blocks_total{tier="redis"}'] == 3
+    assert stats['lgkv_hit_tails_total{tier="redis"}'] == 1
+    from server.kv.registry_redis import RedisSessions
+
+    RedisSessions(url, model_id).clear()
