@@ -3,6 +3,8 @@ AsyncLLM whose engine core runs in another process (as in the server)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,27 +94,36 @@ def test_prefetch_through_async_engine_in_another_process(
     assert stats.get('lgkv_hit_blocks_total{tier="disk"}', 0) == 0
 
 
-@pytest.mark.redis
-def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import uuid
+REDIS_URL = "redis://127.0.0.1:6379/0"
 
+
+def redis_replicas(model: Path, folder: Path, what: str) -> Callable[[str], dict]:
+    """Engine kwargs of replicas ``name`` (own cache folder ``folder/name``) sharing Redis
+    under a fresh namespace (their keys expire); skips the test without Redis."""
     import redis
 
-    url = "redis://127.0.0.1:6379/0"
     try:
-        redis.Redis.from_url(url).ping()
+        redis.Redis.from_url(REDIS_URL).ping()
     except redis.exceptions.ConnectionError:
         pytest.skip("no Redis on 127.0.0.1:6379")
-    model = tiny_model_dir
-    prompt = [900 + i for i in range(3 * BLOCK + 20)]
-    model_id = f"replica-test-{uuid.uuid4().hex}"  # a fresh Redis namespace; keys expire
+    model_id = f"{what}-test-{uuid.uuid4().hex}"
 
     def replica(name: str) -> dict:
-        engine = engine_kwargs(model, tmp_path / name)
+        engine = engine_kwargs(model, folder / name)
         engine["kv_connector_extra_config"].update(
-            redis_url=url, model_id=model_id, redis_ttl_s=120
+            redis_url=REDIS_URL, model_id=model_id, redis_ttl_s=120
         )
         return engine
+
+    return replica
+
+
+@pytest.mark.redis
+def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
+    url = REDIS_URL
+    prompt = [900 + i for i in range(3 * BLOCK + 20)]
+    replica = redis_replicas(tiny_model_dir, tmp_path, "replica")
+    model_id = replica("a")["kv_connector_extra_config"]["model_id"]
 
     first = run_engine_script(
         {
@@ -137,27 +148,13 @@ def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -
     shared.clear()
 
 
+@pytest.mark.redis
 def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Replica A's turn ends inside a block; B's next turn extends it token for token and
     loads A's full blocks and A's partial tail block from Redis: only the new tokens are
     computed, with the cache-off run's tokens and logprobs."""
-    import uuid
-
-    import redis
-
-    url = "redis://127.0.0.1:6379/0"
-    try:
-        redis.Redis.from_url(url).ping()
-    except redis.exceptions.ConnectionError:
-        pytest.skip("no Redis on 127.0.0.1:6379")
-    model_id = f"tail-test-{uuid.uuid4().hex}"  # a fresh Redis namespace; keys expire
-
-    def replica(name: str) -> dict:
-        engine = engine_kwargs(tiny_model_dir, tmp_path / name)
-        engine["kv_connector_extra_config"].update(
-            redis_url=url, model_id=model_id, redis_ttl_s=120
-        )
-        return engine
+    replica = redis_replicas(tiny_model_dir, tmp_path, "tail")
+    model_id = replica("a")["kv_connector_extra_config"]["model_id"]
 
     prompt = [700 + i for i in range(3 * BLOCK + 20)]
     (turn1,) = run_engine_script(
@@ -190,4 +187,4 @@ def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_p
     assert stats['lgkv_hit_tails_total{tier="redis"}'] == 1
     from server.kv.registry_redis import RedisSessions
 
-    RedisSessions(url, model_id).clear()
+    RedisSessions(REDIS_URL, model_id).clear()
