@@ -50,7 +50,7 @@ from langgraph_kvcache.checkpoint.kv_sessions import (
     resolve_options,
 )
 from langgraph_kvcache.checkpoint.maintenance import check_prune_args
-from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, run_op, run_plain
+from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, HeldConnection, run_op, run_plain
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -107,6 +107,9 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         self._lock: AbstractContextManager[Any] = (
             threading.Lock() if isinstance(engine.pool, StaticPool) else nullcontext()
         )
+        self._held = None if isinstance(engine.pool, StaticPool) else HeldConnection(engine)
+        """The connection the hot path keeps between calls (none with ``StaticPool``: its one
+        connection is shared, ``_lock`` guards it)."""
         runner = Runner(self.dialect, self._run, self._op_delete_threads)
         self.kv_sessions = ThreadSessions(runner, options) if options else None
         """The server session keeper (``None`` without ``kv_server``)."""
@@ -147,9 +150,18 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             )
             yield saver
         finally:
-            if saver is not None and saver.kv_sessions is not None:
-                saver.kv_sessions.close()
+            if saver is not None:
+                saver.release_connection()
+                if saver.kv_sessions is not None:
+                    saver.kv_sessions.close()
             engine.dispose()
+
+    def release_connection(self) -> None:
+        """Return the connection the saver keeps between ``get_tuple``/``put``/``put_writes``
+        calls to the engine's pool (the next call checks one out again). Call it before
+        disposing of an engine you passed in, to close that connection with the pool's."""
+        if self._held is not None:
+            self._held.close()
 
     def _run(self, op: Op[T], mode: Mode = "read") -> T:
         with self._lock, self.engine.connect() as conn:
@@ -165,8 +177,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         if self.engine.dialect.driver not in PLAIN_DRIVERS:
             return self._run(op, mode)
         with self._lock:
-            raw = self.engine.raw_connection()
+            held = self._held
+            raw = held.take() if held is not None else self.engine.raw_connection()
             driver = raw.driver_connection
+            ok = False
             sqlite = self.dialect == "sqlite"
             try:
                 if sqlite and mode == "write":
@@ -182,6 +196,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
                 except StopIteration as stop:
                     result = stop.value
                 driver.commit()
+                ok = True
                 return result
             except BaseException:
                 driver.rollback()
@@ -189,7 +204,10 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
             finally:
                 if not sqlite:
                     driver.autocommit = False
-                raw.close()
+                if held is not None:
+                    held.give(raw, ok)
+                else:
+                    raw.close()
 
     def setup(self) -> None:
         """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
