@@ -20,21 +20,22 @@ Errors form one hierarchy under :class:`KVCacheClientError`:
 
 from __future__ import annotations
 
-import os
 from types import TracebackType
 from typing import Any, Final
-from urllib.parse import quote
 
 import httpx
 
-from langgraph_kvcache.contract import (
-    SESSION_HEADER,
-    UNSET,
-    PrefetchResult,
-    Session,
-    TierUsage,
-    check_ttl,
+from langgraph_kvcache.client_requests import (
+    auth_headers,
+    copy_body,
+    create_body,
+    pin_body,
+    root_url,
+    session_headers,
+    session_path,
+    update_body,
 )
+from langgraph_kvcache.contract import UNSET, PrefetchResult, Session, TierUsage
 from langgraph_kvcache.contract import Unset as _Unset
 from langgraph_kvcache.errors import (
     KVCacheClientError,
@@ -43,7 +44,6 @@ from langgraph_kvcache.errors import (
     SessionExistsError,
     SessionNotFoundError,
 )
-from langgraph_kvcache.sessions import validate_session_id
 
 __all__ = [
     "UNSET",
@@ -59,7 +59,6 @@ __all__ = [
     "TierUsage",
 ]
 
-DEFAULT_SERVER_URL: Final = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S: Final = 30.0
 
 
@@ -70,45 +69,6 @@ def _malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:
         status_code=200,
         error_type="malformed_response",
     )
-
-
-# ----------------------------------------------------------------------------- shared plumbing
-def _root_url(base_url: str | None) -> str:
-    """Server root from a URL that may end in ``/`` or ``/v1`` (default: ``$LGKV_SERVER_URL``)."""
-    url = (base_url or os.environ.get("LGKV_SERVER_URL") or DEFAULT_SERVER_URL).rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    key = api_key if api_key is not None else os.environ.get("LGKV_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _path(session_id: str, action: str = "") -> str:
-    sid = quote(validate_session_id(session_id), safe="")
-    return f"/v1/sessions/{sid}/{action}" if action else f"/v1/sessions/{sid}"
-
-
-def _session_headers(session_id: str | None) -> dict[str, str] | None:
-    """The routing header of a request that names ``session_id`` (none for a list)."""
-    return {SESSION_HEADER: validate_session_id(session_id)} if session_id else None
-
-
-def _create_body(session_id: str, ttl_seconds: float | None, pinned: bool) -> dict[str, Any]:
-    return {
-        "id": validate_session_id(session_id),
-        "ttl_seconds": check_ttl(ttl_seconds),
-        "pinned": pinned,
-    }
-
-
-def _update_body(ttl_seconds: float | _Unset | None, pinned: bool | None) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    if not isinstance(ttl_seconds, _Unset):
-        body["ttl_seconds"] = check_ttl(ttl_seconds)
-    if pinned is not None:
-        body["pinned"] = pinned
-    return body
 
 
 def _error_from(response: httpx.Response) -> KVCacheClientError:
@@ -200,9 +160,9 @@ class KVCacheClient:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.base_url = _root_url(base_url)
+        self.base_url = root_url(base_url)
         self._http = httpx.Client(
-            base_url=self.base_url, headers=_headers(api_key), timeout=timeout
+            base_url=self.base_url, headers=auth_headers(api_key), timeout=timeout
         )
 
     def _call(
@@ -214,9 +174,7 @@ class KVCacheClient:
         session: str | None = None,
     ) -> dict[str, Any]:
         try:
-            response = self._http.request(
-                method, path, json=body, headers=_session_headers(session)
-            )
+            response = self._http.request(method, path, json=body, headers=session_headers(session))
         except httpx.HTTPError as exc:  # connect errors, timeouts, protocol errors
             raise _unavailable(self.base_url, exc) from exc
         return _json(response)
@@ -227,13 +185,13 @@ class KVCacheClient:
 
     def get_session(self, session_id: str) -> Session:
         """One session; raises :class:`SessionNotFoundError` if unknown."""
-        return _session(self._call("GET", _path(session_id), session=session_id))
+        return _session(self._call("GET", session_path(session_id), session=session_id))
 
     def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """Create an empty session; raises :class:`SessionExistsError` if it exists."""
-        body = _create_body(session_id, ttl_seconds, pinned)
+        body = create_body(session_id, ttl_seconds, pinned)
         return _session(self._call("POST", "/v1/sessions", body, session=session_id))
 
     def update_session(
@@ -244,24 +202,30 @@ class KVCacheClient:
         pinned: bool | None = None,
     ) -> Session:
         """Change TTL (``None``: never expire) and/or pin state; omitted fields stay as they are."""
-        body = _update_body(ttl_seconds, pinned)
-        return _session(self._call("PATCH", _path(session_id), body, session=session_id))
+        body = update_body(ttl_seconds, pinned)
+        return _session(self._call("PATCH", session_path(session_id), body, session=session_id))
 
     def delete_session(self, session_id: str) -> int:
         """Delete a session and its KV (blocks no other session uses); returns blocks freed."""
-        return _freed(self._call("DELETE", _path(session_id), session=session_id))
+        return _freed(self._call("DELETE", session_path(session_id), session=session_id))
 
-    def pin(self, session_id: str) -> Session:
-        """Pin a session: it is never evicted nor expired until unpinned."""
-        return _session(self._call("POST", _path(session_id, "pin"), session=session_id))
+    def pin(self, session_id: str, *, ttl_seconds: float | None = None) -> Session:
+        """Pin a session: its blocks are not evicted (its TTL still applies). With
+        ``ttl_seconds``, for that long only (a lease; pinning again renews it)."""
+        body = pin_body(ttl_seconds)
+        return _session(
+            self._call("POST", session_path(session_id, "pin"), body, session=session_id)
+        )
 
     def unpin(self, session_id: str) -> Session:
-        """Unpin a session: it is evicted and expires like any other again."""
-        return _session(self._call("POST", _path(session_id, "unpin"), session=session_id))
+        """Unpin a session (any lease too): it is evicted like any other again."""
+        return _session(self._call("POST", session_path(session_id, "unpin"), session=session_id))
 
     def prefetch(self, session_id: str) -> PrefetchResult:
         """Load a session's KV from disk into RAM now, ahead of its next request."""
-        return _prefetch(self._call("POST", _path(session_id, "prefetch"), session=session_id))
+        return _prefetch(
+            self._call("POST", session_path(session_id, "prefetch"), session=session_id)
+        )
 
     def copy_session(self, source_id: str, target_id: str, *, overwrite: bool = False) -> Session:
         """Fork ``source_id`` into ``target_id`` (blocks are shared, not copied); return the copy.
@@ -269,8 +233,10 @@ class KVCacheClient:
         Raises :class:`SessionNotFoundError` if the source is unknown and
         :class:`SessionExistsError` if the target exists and ``overwrite`` is false.
         """
-        body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return _session(self._call("POST", _path(source_id, "copy"), body, session=source_id))
+        body = copy_body(target_id, overwrite)
+        return _session(
+            self._call("POST", session_path(source_id, "copy"), body, session=source_id)
+        )
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -298,9 +264,9 @@ class AsyncKVCacheClient:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.base_url = _root_url(base_url)
+        self.base_url = root_url(base_url)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=_headers(api_key), timeout=timeout
+            base_url=self.base_url, headers=auth_headers(api_key), timeout=timeout
         )
 
     async def _call(
@@ -313,7 +279,7 @@ class AsyncKVCacheClient:
     ) -> dict[str, Any]:
         try:
             response = await self._http.request(
-                method, path, json=body, headers=_session_headers(session)
+                method, path, json=body, headers=session_headers(session)
             )
         except httpx.HTTPError as exc:
             raise _unavailable(self.base_url, exc) from exc
@@ -326,13 +292,13 @@ class AsyncKVCacheClient:
 
     async def get_session(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.get_session`."""
-        return _session(await self._call("GET", _path(session_id), session=session_id))
+        return _session(await self._call("GET", session_path(session_id), session=session_id))
 
     async def create_session(
         self, session_id: str, *, ttl_seconds: float | None = None, pinned: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.create_session`."""
-        body = _create_body(session_id, ttl_seconds, pinned)
+        body = create_body(session_id, ttl_seconds, pinned)
         return _session(await self._call("POST", "/v1/sessions", body, session=session_id))
 
     async def update_session(
@@ -343,32 +309,39 @@ class AsyncKVCacheClient:
         pinned: bool | None = None,
     ) -> Session:
         """See :meth:`KVCacheClient.update_session`."""
-        body = _update_body(ttl_seconds, pinned)
-        return _session(await self._call("PATCH", _path(session_id), body, session=session_id))
+        body = update_body(ttl_seconds, pinned)
+        return _session(
+            await self._call("PATCH", session_path(session_id), body, session=session_id)
+        )
 
     async def delete_session(self, session_id: str) -> int:
         """See :meth:`KVCacheClient.delete_session`."""
-        return _freed(await self._call("DELETE", _path(session_id), session=session_id))
+        return _freed(await self._call("DELETE", session_path(session_id), session=session_id))
 
-    async def pin(self, session_id: str) -> Session:
+    async def pin(self, session_id: str, *, ttl_seconds: float | None = None) -> Session:
         """See :meth:`KVCacheClient.pin`."""
-        return _session(await self._call("POST", _path(session_id, "pin"), session=session_id))
+        path, body = session_path(session_id, "pin"), pin_body(ttl_seconds)
+        return _session(await self._call("POST", path, body, session=session_id))
 
     async def unpin(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.unpin`."""
-        return _session(await self._call("POST", _path(session_id, "unpin"), session=session_id))
+        return _session(
+            await self._call("POST", session_path(session_id, "unpin"), session=session_id)
+        )
 
     async def prefetch(self, session_id: str) -> PrefetchResult:
         """See :meth:`KVCacheClient.prefetch`."""
-        path = _path(session_id, "prefetch")
+        path = session_path(session_id, "prefetch")
         return _prefetch(await self._call("POST", path, session=session_id))
 
     async def copy_session(
         self, source_id: str, target_id: str, *, overwrite: bool = False
     ) -> Session:
         """See :meth:`KVCacheClient.copy_session`."""
-        body = {"target_id": validate_session_id(target_id), "overwrite": overwrite}
-        return _session(await self._call("POST", _path(source_id, "copy"), body, session=source_id))
+        body = copy_body(target_id, overwrite)
+        return _session(
+            await self._call("POST", session_path(source_id, "copy"), body, session=source_id)
+        )
 
     async def aclose(self) -> None:
         """Close the connection pool."""

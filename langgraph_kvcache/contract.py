@@ -195,11 +195,16 @@ class Session:
     last_used_at: float
     """Time of the last request or API call that used the session, unix seconds."""
     pinned: bool
-    """Pinned sessions are never evicted and never expire."""
+    """Pinned now: its blocks are never evicted from disk and leave RAM only to disk, after
+    every unpinned block (its TTL still applies). A pin with a lease counts until
+    ``pin_expires_at``."""
     ttl_seconds: float | None
     """Idle time after which the session expires; ``None``: never."""
     expires_at: float | None
     """When the session expires if unused, unix seconds; ``None``: never."""
+    pin_expires_at: float | None = None
+    """When the pin's lease lapses (the session is an ordinary one again), unix seconds;
+    ``None``: not pinned, or pinned until unpinned."""
     tiers: dict[str, TierUsage] = field(default_factory=dict)
     """Usage per tier, keyed ``"ram"``, ``"disk"``, ``"redis"``."""
     object: str = "session"
@@ -224,6 +229,7 @@ class Session:
                 pinned=bool(data["pinned"]),
                 ttl_seconds=_opt_float(data.get("ttl_seconds")),
                 expires_at=_opt_float(data.get("expires_at")),
+                pin_expires_at=_opt_float(data.get("pin_expires_at")),
                 tiers={
                     str(name): TierUsage(blocks=int(u["blocks"]), bytes=int(u["bytes"]))
                     for name, u in (data.get("tiers") or {}).items()

@@ -206,7 +206,9 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
         rows, mode = self._put_rows(config, checkpoint, metadata, new_versions)
-        return await self._run(self._op_put(rows), mode)
+        saved: RunnableConfig = await self._run(self._op_put(rows), mode)
+        self.lifecycle._after_checkpoint(config, checkpoint)
+        return saved
 
     async def aput_writes(
         self,
@@ -219,6 +221,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         rows, mode = self._write_rows(config, writes, task_id, task_path)
         await self._run(self._op_put_writes(rows), mode)
         self._after_put_writes(rows)
+        self.lifecycle._after_task_writes(config, writes)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

@@ -22,6 +22,12 @@ After-commit hooks, with what the operation touched (the sync ones for ``SQLAlch
 - ``_after_prune``: ``prune`` either strategy (``keep_latest`` keeps the sessions' latest KV).
 - ``_after_delete_for_runs``: the threads that lost checkpoints to ``delete_for_runs``.
 
+Store hooks, called by both savers (sync and async alike) after a write committed; they only
+decide and queue work, never wait for it, so the graph's hot path pays nothing:
+
+- ``_after_checkpoint``: ``put``/``aput`` stored a checkpoint (run pins, :mod:`.kv_pins`).
+- ``_after_task_writes``: ``put_writes``/``aput_writes`` stored a task's writes.
+
 After-commit hooks must not raise for a missing server session; a failure to reach the server
 is logged, and never loses the database change that already committed.
 """
@@ -29,10 +35,10 @@ is logged, and never loses the database change that already committed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.base import CheckpointTuple
+from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
 if TYPE_CHECKING:  # .base imports this module
     from langgraph_kvcache.checkpoint.base import Op
@@ -56,6 +62,12 @@ class LifecycleHooks:
         """The transaction of ``delete_for_runs``: ``change`` (returns the threads that lost
         checkpoints) plus whatever must commit with it; returns what ``change`` returns."""
         return change
+
+    def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:
+        """Called after a checkpoint was stored (``config``: the one ``put`` was given)."""
+
+    def _after_task_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]]) -> None:
+        """Called after a task's writes were stored against the checkpoint in ``config``."""
 
     def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
         """Called after ``get_tuple``; a session-aware saver may prefetch the thread's KV."""

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.base import CheckpointTuple
+from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
 from langgraph_kvcache.checkpoint import kv_store
 from langgraph_kvcache.checkpoint.base import Mode, Op
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions, Tracker
+from langgraph_kvcache.checkpoint.kv_pins import PinCall, RunPins
 from langgraph_kvcache.checkpoint.kv_store import SessionCall
 from langgraph_kvcache.client import (
     KVCacheClientError,
@@ -82,8 +83,9 @@ class Sql:
 
 
 ClientMethod = Literal[
-    "create_session", "update_session", "delete_session", "copy_session", "prefetch"
-]
+    "create_session", "update_session", "delete_session", "copy_session", "prefetch", "pin",
+    "unpin",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,9 @@ class SessionKeeper(LifecycleHooks):
     A driver subclass implements the ``_after_*`` hooks (let queued background work finish,
     bounded, then drain the outbox the transaction just wrote to), ``get_tuple``'s hook (drive
     :meth:`_get_tuple_steps`, then run the :class:`Warm` it returns in the background),
-    ``drain`` and ``sweep_expired``; it runs server work (drains, background jobs) one at a
-    time, so a prefetch queued by ``get_tuple`` never races the delete that follows it.
+    :meth:`_submit` (run steps in the background), ``drain`` and ``sweep_expired``; it runs
+    server work (drains, background jobs) one at a time, so a prefetch queued by ``get_tuple``
+    never races the delete that follows it. The store hooks (run pins) are here, once.
     """
 
     def __init__(self, runner: Runner[Any], options: KVSessionOptions) -> None:
@@ -169,6 +172,43 @@ class SessionKeeper(LifecycleHooks):
         """The saver's database (see :class:`Runner`)."""
         self.options = options
         self._tracker = Tracker(options)
+        self.run_pins = (
+            RunPins(options.run_pin_s, options.interrupt_lease_s) if options.run_pins else None
+        )
+        """The run pins this process holds (``None`` with ``run_pins=False``)."""
+
+    def _submit(self, steps: Steps[None]) -> None:
+        """Run ``steps`` in the background, after the server work queued before (no wait)."""
+        raise NotImplementedError
+
+    # -- store hooks (run pins; see :mod:`.kv_pins`) ----------------------------------------
+
+    def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:
+        if self.run_pins is not None:
+            self._pin(self.run_pins.on_checkpoint(config, checkpoint))
+
+    def _after_task_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]]) -> None:
+        if self.run_pins is not None:
+            self._pin(self.run_pins.on_writes(config, writes))
+
+    def _pin(self, call: PinCall | None) -> None:
+        if call is not None:
+            self._submit(self._pin_steps(call))
+
+    def _pin_steps(self, call: PinCall) -> Steps[None]:
+        """Pin (with the call's lease) or unpin; a missing session (no LLM call yet) or a
+        failure leaves the pin to the next checkpoint, with a warning for a failure."""
+        assert self.run_pins is not None
+        try:
+            if call.lease_s is None:
+                yield Request("unpin", (call.session_id,))
+            else:
+                yield Request("pin", (call.session_id,), {"ttl_seconds": call.lease_s})
+        except SessionNotFoundError:
+            self.run_pins.failed(call)
+        except KVCacheClientError as exc:
+            self.run_pins.failed(call)
+            logger.warning("run pin of session %r not changed: %s", call.session_id, exc)
 
     # -- in-transaction hooks (run by the saver inside its change's transaction) -------------
 
@@ -207,6 +247,8 @@ class SessionKeeper(LifecycleHooks):
         """Forget the threads' session rows and owe a delete of each of their sessions."""
         sessions = yield from kv_store.op_forget(thread_ids)
         self._tracker.forget(thread_ids)
+        if self.run_pins is not None:
+            self.run_pins.forget(thread_ids)
         yield from self._op_owe(delete_calls(thread_ids, sessions))
 
     def _op_owe(self, calls: Sequence[SessionCall]) -> Op[None]:

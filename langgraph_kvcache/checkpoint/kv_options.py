@@ -12,9 +12,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["IDLE_OUTBOX_CHECK_S", "KVSessionOptions", "Tracker", "resolve_options"]
+from langgraph_kvcache.contract import MAX_TTL_SECONDS, MIN_TTL_SECONDS
+
+__all__ = [
+    "DEFAULT_INTERRUPT_PIN_S",
+    "IDLE_OUTBOX_CHECK_S",
+    "KVSessionOptions",
+    "Tracker",
+    "resolve_options",
+]
 
 _MAX_TRACKED = 10_000
+DEFAULT_INTERRUPT_PIN_S = 3600.0
+"""The interrupt lease of a saver without a TTL (see ``KVSessionOptions.interrupt_pin_s``)."""
 IDLE_OUTBOX_CHECK_S = 60.0
 """How often ``get_tuple`` looks at an outbox this process left empty."""
 
@@ -38,6 +48,19 @@ class KVSessionOptions:
     """Timeout of each session API call; a slower server counts as unavailable."""
     retry_interval_s: float = 10.0
     """``get_tuple`` retries pending outbox calls at most this often."""
+    run_pins: bool = True
+    """Pin each (thread, namespace)'s server session while a graph run on it is in progress,
+    so a long tool call or an ``interrupt()`` does not lose its KV to eviction (see
+    :mod:`.kv_pins`); ``False``: never pin (sessions are evicted by the server's policy
+    alone). Pinned sessions hold their KV in the server's RAM budget: see docs/agents.md."""
+    run_pin_s: float = 300.0
+    """Lease of a run's pin: renewed as the run's checkpoints are stored, released when the run
+    ends or fails; a client that dies mid-run leaves it to lapse after this long. Make it
+    longer than the longest node (tool call, LLM call) of your graphs, or a pin lapses while
+    that node runs."""
+    interrupt_pin_s: float | None = None
+    """How long a run stopped by ``interrupt()`` keeps its pin; ``None``: ``ttl_seconds``, or
+    an hour (:data:`DEFAULT_INTERRUPT_PIN_S`) without a TTL."""
 
     def __post_init__(self) -> None:
         if not self.server_url:
@@ -47,6 +70,22 @@ class KVSessionOptions:
         for name in ("prefetch_interval_s", "call_timeout_s", "retry_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("run_pin_s", "interrupt_pin_s"):
+            value = getattr(self, name)
+            if value is not None and not MIN_TTL_SECONDS <= value <= MAX_TTL_SECONDS:
+                raise ValueError(
+                    f"{name} must be between {MIN_TTL_SECONDS:g} and {MAX_TTL_SECONDS:g} "
+                    f"seconds, got {value!r}"
+                )
+
+    @property
+    def interrupt_lease_s(self) -> float:
+        """The interrupt lease in effect (see :attr:`interrupt_pin_s`)."""
+        if self.interrupt_pin_s is not None:
+            return self.interrupt_pin_s
+        if self.ttl_seconds is not None:
+            return min(max(self.ttl_seconds, MIN_TTL_SECONDS), MAX_TTL_SECONDS)
+        return DEFAULT_INTERRUPT_PIN_S
 
 
 def resolve_options(

@@ -18,6 +18,9 @@ names (the one ``ChatKVCache`` sends), kept in the ``checkpoint_kv_sessions`` ta
   cover the prefix the thread continues from.
 - ``copy_thread``: forks each session of the source into the target's id (blocks are shared).
 - ``sweep_expired()``: deletes threads unused for ``ttl_seconds``, checkpoints and sessions.
+- ``put`` / ``put_writes`` during a run (``run_pins``, on by default): pin the session while
+  the run is in progress, as a lease the server lets lapse by itself (:mod:`.kv_pins`); in
+  the background, and a failure is a warning.
 
 Every server call a change owes (a delete, a copy, a registration) is written to the outbox
 table in the change's own transaction, and made after the commit by draining the outbox in
@@ -88,12 +91,15 @@ class ThreadSessions(SessionKeeper):
 
     # -- hooks -----------------------------------------------------------------------------
 
+    def _submit(self, steps: Steps[None]) -> None:
+        future = self._background.submit(run_logged, self._serially, steps)
+        self._jobs.add(future)
+        future.add_done_callback(self._jobs.discard)
+
     def _after_get_tuple(self, config: RunnableConfig, found: CheckpointTuple | None) -> None:
         job = drive(self._get_tuple_steps(config, found), self.client, self.runner)
         if job is not None:
-            future = self._background.submit(run_logged, self._serially, self._warm_steps(job))
-            self._jobs.add(future)
-            future.add_done_callback(self._jobs.discard)
+            self._submit(self._warm_steps(job))
 
     def _after_delete_threads(self, thread_ids: Sequence[str]) -> None:
         self._after_change()

@@ -65,10 +65,13 @@ class AsyncThreadSessions(SessionKeeper):
     ) -> None:
         job = await adrive(self._get_tuple_steps(config, found), self.client, self.runner)
         if job is not None:
-            coro = arun_logged(self._serially(self._warm_steps(job)))
-            task = asyncio.get_running_loop().create_task(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._submit(self._warm_steps(job))
+
+    def _submit(self, steps: Steps[None]) -> None:
+        """A task on the saver's loop (the caller runs on it)."""
+        task = asyncio.get_running_loop().create_task(arun_logged(self._serially(steps)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _aafter_delete_threads(self, thread_ids: Sequence[str]) -> None:
         await self._after_change()

@@ -253,7 +253,9 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
     ) -> RunnableConfig:
         """Save a checkpoint and the channel values whose version is new; one transaction."""
         rows, mode = self._put_rows(config, checkpoint, metadata, new_versions)
-        return self._run_raw(self._op_put(rows), mode)
+        saved: RunnableConfig = self._run_raw(self._op_put(rows), mode)
+        self.lifecycle._after_checkpoint(config, checkpoint)
+        return saved
 
     def put_writes(
         self,
@@ -266,6 +268,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         rows, mode = self._write_rows(config, writes, task_id, task_path)
         self._run_raw(self._op_put_writes(rows), mode)
         self._after_put_writes(rows)
+        self.lifecycle._after_task_writes(config, writes)
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, blob and write of ``thread_id`` (all namespaces)."""

@@ -106,11 +106,29 @@ class SessionCreate(_Body):
     pinned: bool = False
 
 
+def _pin_ttl_field() -> Any:
+    return Field(
+        default=None,
+        description=(
+            "Pin as a lease: the session stays pinned this many seconds "
+            f"({MIN_TTL_SECONDS:g} to {MAX_TTL_SECONDS:g}), then is an ordinary session again; "
+            "each pin renews it. Null or absent: pinned until unpinned."
+        ),
+    )
+
+
 class SessionUpdate(_Body):
     """``PATCH /v1/sessions/{id}``; absent fields stay as they are."""
 
     ttl_seconds: float | None = _ttl_field()
     pinned: bool | None = None
+    pin_ttl_seconds: float | None = _pin_ttl_field()
+
+
+class SessionPin(_Body):
+    """``POST /v1/sessions/{id}/pin`` (the body is optional)."""
+
+    pin_ttl_seconds: float | None = _pin_ttl_field()
 
 
 class SessionCopy(_Body):
@@ -164,11 +182,11 @@ class ErrorOut(BaseModel):
     error: ErrorDetail
 
 
-def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+def body_schema(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
     """``openapi_extra`` documenting a JSON body the route parses by hand (:func:`parse_body`)."""
     return {
         "requestBody": {
-            "required": True,
+            "required": required,
             "content": {"application/json": {"schema": model.model_json_schema()}},
         }
     }

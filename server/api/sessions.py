@@ -29,6 +29,7 @@ from server.api.protocol import (
     APIError,
     SessionCopy,
     SessionCreate,
+    SessionPin,
     SessionUpdate,
     body_schema,
     check_session_id,
@@ -84,9 +85,7 @@ async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise APIError(400, str(exc)) from exc
 
 
-SessionId = Annotated[
-    str, Path(description="The session id.", json_schema_extra=SESSION_ID_SCHEMA)
-]
+SessionId = Annotated[str, Path(description="The session id.", json_schema_extra=SESSION_ID_SCHEMA)]
 
 
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -144,13 +143,19 @@ async def get_session(session_id: SessionId, request: Request) -> Session:
     openapi_extra=body_schema(SessionUpdate),
 )
 async def update_session(session_id: SessionId, request: Request) -> Session:
-    """``PATCH /v1/sessions/{id}`` with ``ttl_seconds`` and/or ``pinned``."""
+    """``PATCH /v1/sessions/{id}`` with ``ttl_seconds``, ``pinned`` and/or ``pin_ttl_seconds``
+    (a pin lease; implies ``pinned``)."""
     control = _control(request)
     check_session_id(session_id)
     body = cast(SessionUpdate, parse_body(SessionUpdate, await request.body()))
     ttl = body.ttl_seconds if "ttl_seconds" in body.model_fields_set else UNSET
     return await _call(
-        control.update, session_id, _tenant(request), ttl_seconds=ttl, pinned=body.pinned
+        control.update,
+        session_id,
+        _tenant(request),
+        ttl_seconds=ttl,
+        pinned=body.pinned,
+        pin_ttl_seconds=body.pin_ttl_seconds,
     )
 
 
@@ -165,21 +170,32 @@ async def delete_session(session_id: SessionId, request: Request) -> SessionDele
     return SessionDeleted(id=session_id, freed_blocks=freed)
 
 
-async def _set_pin(session_id: str, request: Request, pinned: bool) -> Session:
+async def _set_pin(
+    session_id: str, request: Request, pinned: bool, pin_ttl: float | None = None
+) -> Session:
     control = _control(request)
     check_session_id(session_id)
-    return await _call(control.update, session_id, _tenant(request), pinned=pinned)
+    return await _call(
+        control.update, session_id, _tenant(request), pinned=pinned, pin_ttl_seconds=pin_ttl
+    )
 
 
-@router.post("/{session_id}/pin", response_model=Session, responses=_ONE)
+@router.post(
+    "/{session_id}/pin",
+    response_model=Session,
+    responses=error_responses(404, 422),
+    openapi_extra=body_schema(SessionPin, required=False),
+)
 async def pin_session(session_id: SessionId, request: Request) -> Session:
-    """``POST /v1/sessions/{id}/pin``: never evict this session's blocks."""
-    return await _set_pin(session_id, request, True)
+    """``POST /v1/sessions/{id}/pin``: keep this session's blocks (never evicted from disk,
+    RAM left last); with ``{"pin_ttl_seconds": s}`` for ``s`` seconds only (a lease)."""
+    body = cast(SessionPin, parse_body(SessionPin, await request.body(), empty_ok=True))
+    return await _set_pin(session_id, request, True, body.pin_ttl_seconds)
 
 
 @router.post("/{session_id}/unpin", response_model=Session, responses=_ONE)
 async def unpin_session(session_id: SessionId, request: Request) -> Session:
-    """``POST /v1/sessions/{id}/unpin``."""
+    """``POST /v1/sessions/{id}/unpin`` (drops any lease)."""
     return await _set_pin(session_id, request, False)
 
 

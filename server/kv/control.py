@@ -184,14 +184,21 @@ class SessionControl:
         *,
         ttl_seconds: float | Unset | None = UNSET,
         pinned: bool | None = None,
+        pin_ttl_seconds: float | None = None,
     ) -> Session:
-        """Change TTL (None removes it) and/or the pin."""
+        """Change TTL (None removes it) and/or the pin; ``pin_ttl_seconds`` pins for that long
+        (a lease, renewed by each pin) and implies ``pinned``."""
         check_session_id(session_id)
         set_ttl = not isinstance(ttl_seconds, Unset)
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
+        lease = check_ttl(pin_ttl_seconds, field="pin_ttl_seconds")
+        if lease is not None:
+            if pinned is False:
+                raise ValueError("pin_ttl_seconds pins the session: leave pinned out or true")
+            pinned = True
         self.catch_up()
         if not self.registry.update_session(
-            tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned
+            tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned, pin_ttl_s=lease
         ):
             raise SessionNotFound(f"session {session_id!r} not found")
         return self._info(self._row(session_id, tenant))
@@ -328,6 +335,7 @@ class SessionControl:
 
     def _info(self, row: SessionRow) -> Session:
         usage: dict[str, TierCount] = self.registry.tier_usage(row.tenant, row.id)
+        pinned = row.pinned_at(time.time())
         return Session(
             id=row.id,
             tenant=row.tenant,
@@ -336,9 +344,10 @@ class SessionControl:
             turns=row.turns,
             created_at=row.created_at,
             last_used_at=row.last_used_at,
-            pinned=row.pinned,
+            pinned=pinned,
             ttl_seconds=row.ttl_seconds,
             expires_at=row.expires_at,
+            pin_expires_at=row.pin_until if pinned else None,
             tiers={k: TierUsage(v.blocks, v.bytes) for k, v in usage.items()},
         )
 

@@ -7,7 +7,8 @@ past its usual gap is unlikely to come back soon and goes first; one used a mome
 usually returns within its gap stays. A block shared by several sessions takes the most
 favourable (smallest) lateness. Blocks no session references (content-only reuse) use their
 own last access and the default gap. Pinned sessions' blocks are never evicted from disk and
-leave RAM last.
+leave RAM last (and only for disk: a pinned block not yet on disk stays in RAM). A pin with a
+lease (``pin_until``) pins until that time, checked at each decision.
 
 Sessions a client manages through the session API (a checkpointer registers its threads,
 prefetches them on resume, forks them) are live conversations with an owner that will come
@@ -40,6 +41,12 @@ class SessionOutlook:
     """Pinned sessions are kept."""
     managed: bool = False
     """Managed through the session API (see the module doc)."""
+    pin_until: float | None = None
+    """When the pin's lease lapses (unix seconds); None: no lease."""
+
+    def pinned_at(self, now: float) -> bool:
+        """Pinned, and its lease (if any) not lapsed at ``now``."""
+        return self.pinned and (self.pin_until is None or self.pin_until > now)
 
 
 class EvictionPolicy:
@@ -91,6 +98,7 @@ class EvictionPolicy:
             expected_gap_s=gap,
             pinned=known.pinned if known else False,
             managed=known.managed if known else False,
+            pin_until=known.pin_until if known else None,
         )
         self._blocks_of[skey] = list(keys)
         for key in keys:
@@ -110,9 +118,12 @@ class EvictionPolicy:
         """True if a known session lists the block."""
         return any(s in self._sessions for s in self._refs.get(key, ()))
 
-    def is_pinned(self, key: str) -> bool:
-        """True if a pinned session references the block."""
-        return any(self._sessions[s].pinned for s in self._refs.get(key, ()) if s in self._sessions)
+    def is_pinned(self, key: str, now: float | None = None) -> bool:
+        """True if a session pinned at ``now`` (default: the current time) references it."""
+        now = time.time() if now is None else now
+        return any(
+            self._sessions[s].pinned_at(now) for s in self._refs.get(key, ()) if s in self._sessions
+        )
 
     def lateness(self, key: str, last_access: float, now: float | None = None) -> float:
         """How overdue the block's most promising session is (larger: evict sooner)."""
@@ -131,7 +142,7 @@ class EvictionPolicy:
         now = time.time()
         ranked: list[tuple[int, int, float, int, float, str]] = []
         for key, last_access in candidates:
-            pinned = self.is_pinned(key)
+            pinned = self.is_pinned(key, now)
             if pinned and not allow_pinned:
                 continue
             lateness = self.lateness(key, last_access, now)
@@ -147,5 +158,9 @@ class EvictionPolicy:
         if s.managed and s.ttl_seconds:
             gap = max(gap, s.ttl_seconds / 10)
         return SessionOutlook(
-            last_used_at=s.last_used_at, expected_gap_s=gap, pinned=s.pinned, managed=s.managed
+            last_used_at=s.last_used_at,
+            expected_gap_s=gap,
+            pinned=s.pinned,
+            managed=s.managed,
+            pin_until=s.pin_until,
         )

@@ -147,8 +147,11 @@ class Registry(LocalTables):
         set_ttl: bool,
         ttl_seconds: float | None,
         pinned: bool | None,
+        pin_ttl_s: float | None = None,
     ) -> bool:
-        """Change TTL (when ``set_ttl``) and/or pin; False if the session is unknown."""
+        """Change TTL (when ``set_ttl``) and/or pin (``pin_ttl_s``: pinned for that long, then
+        an ordinary session again); False if the session is unknown."""
+        pin_until = None if not pinned or pin_ttl_s is None else time.time() + pin_ttl_s
         with self._write() as db:
             found = db.execute(
                 "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
@@ -165,8 +168,8 @@ class Registry(LocalTables):
                 )
             if pinned is not None:
                 db.execute(
-                    "UPDATE sessions SET pinned = ? WHERE tenant = ? AND id = ?",
-                    (int(pinned), tenant, session_id),
+                    "UPDATE sessions SET pinned = ?, pin_until = ? WHERE tenant = ? AND id = ?",
+                    (int(pinned), pin_until, tenant, session_id),
                 )
             record_change(db, tenant, session_id)
             return True
@@ -275,7 +278,8 @@ class Registry(LocalTables):
             return "ok"
 
     def purge_expired(self, now: float | None = None) -> list[str]:
-        """Delete every expired session; return the keys no remaining session references."""
+        """Delete every expired session and unpin every session whose pin lease lapsed; return
+        the keys no remaining session references."""
         now = time.time() if now is None else now
         with self._write() as db:
             expired = db.execute(
@@ -287,6 +291,16 @@ class Registry(LocalTables):
             for tenant, sid in expired:
                 orphans.extend(delete_rows(db, tenant, sid) or [])
             record_drops(db, sorted(set(orphans)))
+            lapsed = db.execute(
+                "SELECT tenant, id FROM sessions WHERE pin_until IS NOT NULL AND pin_until < ?",
+                (now,),
+            ).fetchall()
+            for tenant, sid in lapsed:  # leases that ran out: ordinary sessions again
+                db.execute(
+                    "UPDATE sessions SET pinned = 0, pin_until = NULL WHERE tenant = ? AND id = ?",
+                    (tenant, sid),
+                )
+                record_change(db, tenant, sid)
             # Bounded history of drops: engines read them within seconds of their writing.
             for table in ("drops", "changes"):
                 db.execute(

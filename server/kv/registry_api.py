@@ -68,8 +68,12 @@ class SessionStore(Protocol):
         set_ttl: bool,
         ttl_seconds: float | None,
         pinned: bool | None,
+        pin_ttl_s: float | None = None,
     ) -> bool:
-        """Change TTL (when ``set_ttl``) and/or pin, mark managed; False if unknown."""
+        """Change TTL (when ``set_ttl``) and/or pin, mark managed; False if unknown. A pin
+        with ``pin_ttl_s`` is a lease: the session is pinned for that many seconds, then an
+        ordinary session again (:meth:`purge_expired` clears lapsed leases; readers treat a
+        lapsed lease as unpinned at once). Unpinning drops any lease."""
 
     def record_turn(
         self,
@@ -97,8 +101,9 @@ class SessionStore(Protocol):
         """Fork ``source`` into ``target``: "ok", "no_source" or "target_exists"."""
 
     def purge_expired(self, now: float | None = None) -> list[str]:
-        """Delete every expired session, record and return the freed keys. Idempotent: two
-        callers at once delete each session once and record its drops once."""
+        """Delete every expired session, record and return the freed keys; unpin sessions
+        whose pin lease lapsed. Idempotent: two callers at once delete each session once and
+        record its drops once."""
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
         """All sessions and all (tenant, session id, key) references."""

@@ -7,9 +7,11 @@ and a delete and the drops it records land together. Layout under the prefix ``P
 
 - ``P s:<tenant>\\x1f<session>``: hash of the session's row (``num_tokens``, ``turns``,
   ``created_at``, ``last_used_at``, ``pinned``, ``ttl`` (absent: none), ``gap_count``,
-  ``gap_mean``, ``managed``); ``P b:<tenant>\\x1f<session>``: list of its block keys.
+  ``gap_mean``, ``managed``, ``pin_until`` (absent: no lease));
+  ``P b:<tenant>\\x1f<session>``: list of its block keys.
 - ``P t:<tenant>``: zset of the tenant's session ids by last use (listings);
-  ``P all``: set of every ``<tenant>\\x1f<session>``; ``P exp``: zset of them by expiry time.
+  ``P all``: set of every ``<tenant>\\x1f<session>``; ``P exp``: zset of them by expiry time;
+  ``P pins``: zset of those pinned with a lease, by the time the lease lapses.
 - ``P refs``: hash block key -> number of sessions listing it (a delete frees the keys that
   reach 0).
 - ``P changes``: stream of ``t``/``s`` (tenant, session) of every session write;
@@ -73,6 +75,7 @@ local function delete(t, s)
   redis.call('ZREM', P .. 't:' .. t, s)
   redis.call('SREM', P .. 'all', m)
   redis.call('ZREM', P .. 'exp', m)
+  redis.call('ZREM', P .. 'pins', m)
   change(t, s)
   return unref(keys)
 end
@@ -88,7 +91,9 @@ local function expired(m, now)
 end
 """
 
-CREATE = _COMMON + r"""
+CREATE = (
+    _COMMON
+    + r"""
 -- ARGV: 3 tenant, 4 session, 5 now, 6 ttl ('' none), 7 pinned (0/1). Returns 1 if created.
 local t, s, now, ttl = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local m = t .. SEP .. s
@@ -103,9 +108,13 @@ set_expiry(m, now, ttl)
 change(t, s)
 return 1
 """
+)
 
-UPDATE = _COMMON + r"""
--- ARGV: 3 tenant, 4 session, 5 set ttl (0/1), 6 ttl ('' none), 7 pinned ('' keep, 0/1).
+UPDATE = (
+    _COMMON
+    + r"""
+-- ARGV: 3 tenant, 4 session, 5 set ttl (0/1), 6 ttl ('' none), 7 pinned ('' keep, 0/1),
+-- 8 pin lease end ('' none: pinned until unpinned).
 local t, s = ARGV[3], ARGV[4]
 local m = t .. SEP .. s
 if redis.call('EXISTS', skey(m)) == 0 then return 0 end
@@ -115,12 +124,24 @@ if ARGV[5] == '1' then
   else redis.call('HSET', skey(m), 'ttl', ARGV[6]) end
   set_expiry(m, redis.call('HGET', skey(m), 'last_used_at'), ARGV[6])
 end
-if ARGV[7] ~= '' then redis.call('HSET', skey(m), 'pinned', ARGV[7]) end
+if ARGV[7] ~= '' then
+  redis.call('HSET', skey(m), 'pinned', ARGV[7])
+  if ARGV[7] == '1' and ARGV[8] ~= '' then
+    redis.call('HSET', skey(m), 'pin_until', ARGV[8])
+    redis.call('ZADD', P .. 'pins', ARGV[8], m)
+  else
+    redis.call('HDEL', skey(m), 'pin_until')
+    redis.call('ZREM', P .. 'pins', m)
+  end
+end
 change(t, s)
 return 1
 """
+)
 
-MARK_MANAGED = _COMMON + r"""
+MARK_MANAGED = (
+    _COMMON
+    + r"""
 -- ARGV: 3 tenant, 4 session.
 local t, s = ARGV[3], ARGV[4]
 local m = t .. SEP .. s
@@ -128,8 +149,11 @@ if redis.call('EXISTS', skey(m)) == 1 then redis.call('HSET', skey(m), 'managed'
 change(t, s)
 return 1
 """
+)
 
-RECORD_TURN = _COMMON + r"""
+RECORD_TURN = (
+    _COMMON
+    + r"""
 -- ARGV: 3 tenant, 4 session, 5 now, 6 num_tokens, 7 default ttl ('' none), 8.. block keys.
 local t, s, now, dttl = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
 local m = t .. SEP .. s
@@ -162,8 +186,11 @@ ref(keys)
 change(t, s)
 return 1
 """
+)
 
-DELETE = _COMMON + r"""
+DELETE = (
+    _COMMON
+    + r"""
 -- ARGV: 3 tenant, 4 session. Returns {found (0/1), freed keys...}.
 local freed = delete(ARGV[3], ARGV[4])
 if freed == nil then return {0} end
@@ -172,8 +199,11 @@ local out = {1}
 for _, k in ipairs(freed) do out[#out + 1] = k end
 return out
 """
+)
 
-COPY = _COMMON + r"""
+COPY = (
+    _COMMON
+    + r"""
 -- ARGV: 3 tenant, 4 source, 5 target, 6 overwrite (0/1), 7 now. Returns a status word.
 local t, src, dst, now = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
 local ms, md = t .. SEP .. src, t .. SEP .. dst
@@ -195,9 +225,13 @@ set_expiry(md, now, r[3])
 change(t, dst)
 return 'ok'
 """
+)
 
-PURGE = _COMMON + r"""
+PURGE = (
+    _COMMON
+    + r"""
 -- ARGV: 3 now. Deletes every session whose last use + TTL < now; returns the freed keys.
+-- Unpins every session whose pin lease ended before now.
 local freed, seen = {}, {}
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'exp', '-inf', '(' .. ARGV[3])) do
   local i = string.find(m, SEP, 1, true)
@@ -206,13 +240,26 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'exp', '-inf', '(' .. ARGV[3
   end
 end
 drops(freed)
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'pins', '-inf', '(' .. ARGV[3])) do
+  redis.call('ZREM', P .. 'pins', m)  -- a lease that ran out: an ordinary session again
+  if redis.call('EXISTS', skey(m)) == 1 then
+    redis.call('HSET', skey(m), 'pinned', 0)
+    redis.call('HDEL', skey(m), 'pin_until')
+    local i = string.find(m, SEP, 1, true)
+    change(string.sub(m, 1, i - 1), string.sub(m, i + 1))
+  end
+end
 return freed
 """
+)
 
-ADD_DROPS = _COMMON + r"""
+ADD_DROPS = (
+    _COMMON
+    + r"""
 -- ARGV: 3.. keys.
 local keys = {}
 for i = 3, #ARGV do keys[#keys + 1] = ARGV[i] end
 drops(keys)
 return #keys
 """
+)

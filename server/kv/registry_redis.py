@@ -134,6 +134,7 @@ class RedisSessions:
             gap_count=int(h.get("gap_count", 0)),
             gap_mean=float(h.get("gap_mean", 0)),
             managed=h.get("managed") == "1",
+            pin_until=None if h.get("pin_until") in (None, "") else float(h["pin_until"]),
             num_blocks=num_blocks,
         )
 
@@ -290,11 +291,13 @@ class RedisSessions:
         set_ttl: bool,
         ttl_seconds: float | None,
         pinned: bool | None,
+        pin_ttl_s: float | None = None,
     ) -> bool:
-        """Change TTL and/or pin; False if unknown."""
+        """Change TTL and/or pin (``pin_ttl_s``: a lease); False if unknown."""
         pin = "" if pinned is None else int(pinned)
-        got = self._run("UPDATE", tenant, session_id, int(set_ttl), _num(ttl_seconds), pin)
-        return bool(got)
+        until = None if not pinned or pin_ttl_s is None else time.time() + pin_ttl_s
+        args = (int(set_ttl), _num(ttl_seconds), pin, _num(until))
+        return bool(self._run("UPDATE", tenant, session_id, *args))
 
     def record_turn(
         self,

@@ -128,10 +128,16 @@ class SharedRegistry:
         set_ttl: bool,
         ttl_seconds: float | None,
         pinned: bool | None,
+        pin_ttl_s: float | None = None,
     ) -> bool:
         """Change TTL and/or pin in Redis."""
         return self.sessions.update_session(
-            tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl_seconds, pinned=pinned
+            tenant,
+            session_id,
+            set_ttl=set_ttl,
+            ttl_seconds=ttl_seconds,
+            pinned=pinned,
+            pin_ttl_s=pin_ttl_s,
         )
 
     def record_turn(

@@ -19,7 +19,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     created_at REAL NOT NULL, last_used_at REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0, ttl_seconds REAL,
     gap_count INTEGER NOT NULL DEFAULT 0, gap_mean REAL NOT NULL DEFAULT 0,
-    managed INTEGER NOT NULL DEFAULT 0,
+    managed INTEGER NOT NULL DEFAULT 0, pin_until REAL,
     PRIMARY KEY (tenant, id)
 );
 CREATE TABLE IF NOT EXISTS session_blocks (
@@ -46,7 +46,7 @@ engine that fell further behind reloads the whole snapshot)."""
 
 SESSION_COLS = (
     "tenant, id, num_tokens, turns, created_at, last_used_at, pinned, ttl_seconds, "
-    "gap_count, gap_mean, managed"
+    "gap_count, gap_mean, managed, pin_until"
 )
 
 
@@ -67,7 +67,14 @@ class SessionRow:
     managed: bool = False
     """Registered through the session API (by a checkpointer): its owner will come back, so
     the eviction policy keeps it after sessions that only requests created."""
+    pin_until: float | None = None
+    """When a pin with a lease lapses (unix seconds); None: no lease (pinned until unpinned,
+    when pinned)."""
     num_blocks: int = 0
+
+    def pinned_at(self, now: float) -> bool:
+        """Whether the session is pinned at ``now`` (a lapsed lease no longer pins)."""
+        return self.pinned and (self.pin_until is None or self.pin_until > now)
 
     @property
     def expires_at(self) -> float | None:
@@ -94,6 +101,8 @@ def migrate(db: sqlite3.Connection) -> None:
     cols = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
     if "managed" not in cols:  # registries from before managed sessions
         db.execute("ALTER TABLE sessions ADD COLUMN managed INTEGER NOT NULL DEFAULT 0")
+    if "pin_until" not in cols:  # registries from before pin leases
+        db.execute("ALTER TABLE sessions ADD COLUMN pin_until REAL")
 
 
 def record_drops(db: sqlite3.Connection, keys: Iterable[str]) -> None:
@@ -124,7 +133,8 @@ def row_from(r: tuple) -> SessionRow:
         gap_count=int(r[8]),
         gap_mean=float(r[9]),
         managed=bool(r[10]),
-        num_blocks=int(r[11]),
+        pin_until=None if r[11] is None else float(r[11]),
+        num_blocks=int(r[12]),
     )
 
 
