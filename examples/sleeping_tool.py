@@ -19,6 +19,7 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
@@ -38,14 +39,25 @@ SERVER_FLAGS: tuple[str, ...] = (
     "--max-num-seqs", "4",
     "--enforce-eager",
     "--distributed-executor-backend", "uni",
-    "--kv-ram-bytes", str(12 * BLOCK_BYTES),
+    "--kv-ram-bytes", str(16 * BLOCK_BYTES),
     "--kv-disk-bytes", "1GiB",
 )  # fmt: skip
-"""vLLM's resident cache: 20 blocks (one 2,048-token context and a little); RAM tier: 12
-blocks, so the agent (4 blocks) and two other threads fit, eight do not."""
-OTHER_THREADS = 8
-"""Threads whose turns run while the tool sleeps (each about 4 blocks: 32 in all)."""
+"""vLLM's resident cache: 20 blocks (one 2,048-token context and a little); RAM tier: 16
+blocks, so the agent (3 to 4 blocks) and a few other threads fit, ten do not. The RAM tier
+leaves room for the saves in flight beside a pinned session: when pinned and in-flight blocks
+fill it, a pinned block moves to disk too (docs/agents.md, "What pins cost")."""
+OTHER_THREADS = 10
+"""Threads whose turns run while the tool sleeps (each 3 to 4 blocks: 30 or more in all)."""
 ANSWER_TOKENS = 4
+
+
+def tiny_model() -> Path:
+    """The tiny random-weight Llama :data:`SERVER_FLAGS` are sized for (built if missing)."""
+    from server.model import build_default_model, build_tiny_model, default_cache_dir
+
+    return build_tiny_model(
+        default_cache_dir() / "models" / "tiny-llama-h32", build_default_model()
+    )
 
 
 def notes(name: str, items: int = 20) -> str:
@@ -68,8 +80,10 @@ class SleepFigure:
     """Whether the saver pinned runs."""
     num_blocks: int = 0
     """The agent's session blocks when the tool ended."""
+    ram_blocks_before: int = 0
+    """Of those, in the RAM tier when the tool started (pinned by then, with pins)."""
     ram_blocks: int = 0
-    """Of those, in the RAM tier then."""
+    """Of those, in the RAM tier when the tool ended."""
     pinned_in_tool: bool = False
     """The session was pinned while the tool ran."""
     prompt_tokens: int = 0
@@ -84,8 +98,9 @@ class SleepFigure:
     def line(self) -> str:
         """One printable line."""
         return (
-            f"pins {'on ' if self.pins else 'off'}: when the tool ended {self.ram_blocks}/"
-            f"{self.num_blocks} blocks in RAM (pinned: {self.pinned_in_tool}); next call "
+            f"pins {'on ' if self.pins else 'off'}: blocks in RAM when the tool started "
+            f"{self.ram_blocks_before}/{self.num_blocks}, ended {self.ram_blocks}/"
+            f"{self.num_blocks} (pinned: {self.pinned_in_tool}); next call "
             f"cached {self.cached_tokens}/{self.prompt_tokens} tokens, loaded from RAM "
             f"{self.hits.get('ram', 0):.0f} / disk {self.hits.get('disk', 0):.0f} blocks, "
             f"TTFT {self.ttft_s:.3f} s"
@@ -150,6 +165,7 @@ def sleeping_tool_run(
     def tool(state: AgentState) -> dict[str, Any]:
         if pins:
             _wait(lambda: kv.get_session(tag).pinned, 30)
+        figure.ram_blocks_before = kv.get_session(tag).tiers["ram"].blocks
         push_others(model, kv, tag)
         session = kv.get_session(tag)  # its barrier: the engine's block locations are current
         figure.num_blocks, figure.ram_blocks = session.num_blocks, session.tiers["ram"].blocks

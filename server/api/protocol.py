@@ -109,6 +109,9 @@ class SessionCreate(_Body):
 def _pin_ttl_field() -> Any:
     return Field(
         default=None,
+        ge=MIN_TTL_SECONDS,
+        le=MAX_TTL_SECONDS,
+        allow_inf_nan=False,
         description=(
             "Pin as a lease: the session stays pinned this many seconds "
             f"({MIN_TTL_SECONDS:g} to {MAX_TTL_SECONDS:g}), then is an ordinary session again; "
@@ -152,7 +155,11 @@ def parse_body(model: type[BaseModel], raw: bytes, *, empty_ok: bool = False) ->
         raise APIError(422, f"the body must be a JSON object ({_fields(model)})")
     # Ints are fine where floats are expected (strict mode would reject 60 for a float).
     for key, value in data.items():
-        if key == "ttl_seconds" and isinstance(value, int) and not isinstance(value, bool):
+        if (
+            key in ("ttl_seconds", "pin_ttl_seconds")
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+        ):
             data[key] = float(value)
     try:
         return model.model_validate(data)

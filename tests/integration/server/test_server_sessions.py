@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 SESSION_KEYS = {
     "id", "object", "tenant", "num_tokens", "num_blocks", "turns", "created_at",
-    "last_used_at", "pinned", "ttl_seconds", "expires_at", "tiers",
+    "last_used_at", "pinned", "ttl_seconds", "expires_at", "pin_expires_at", "tiers",
 }  # fmt: skip
 PROMPT = "Session API test. " + " ".join(f"Line {i} of a long shared prefix." for i in range(60))
 
@@ -48,8 +48,27 @@ def test_create_get_list_patch_pin_delete(lgkv_server: ServerProcess) -> None:
         patched = c.patch("/v1/sessions/api-life", json={"ttl_seconds": None})
         assert patched.status_code == 200, patched.text
         assert patched.json()["ttl_seconds"] is None
-        assert c.post("/v1/sessions/api-life/pin").json()["pinned"] is True
+        pinned = c.post("/v1/sessions/api-life/pin").json()
+        assert (pinned["pinned"], pinned["pin_expires_at"]) == (True, None)
         assert c.post("/v1/sessions/api-life/unpin").json()["pinned"] is False
+
+        # A pin lease: pinned until pin_expires_at, renewed by the next pin; unpin drops it.
+        before = time.time()
+        leased = c.post("/v1/sessions/api-life/pin", json={"pin_ttl_seconds": 30}).json()
+        assert leased["pinned"] is True
+        assert before + 30 <= leased["pin_expires_at"] <= time.time() + 30
+        renewed = c.patch("/v1/sessions/api-life", json={"pin_ttl_seconds": 300}).json()
+        assert renewed["pinned"] and renewed["pin_expires_at"] > leased["pin_expires_at"] + 200
+        short = c.post("/v1/sessions/api-life/pin", json={"pin_ttl_seconds": 1}).json()
+        assert short["pinned"] is True
+        time.sleep(1.2)
+        lapsed = c.get("/v1/sessions/api-life").json()
+        assert (lapsed["pinned"], lapsed["pin_expires_at"]) == (False, None)
+        c.post("/v1/sessions/api-life/pin", json={"pin_ttl_seconds": 60})
+        unpinned = c.post("/v1/sessions/api-life/unpin").json()
+        assert (unpinned["pinned"], unpinned["pin_expires_at"]) == (False, None)
+        conflict = c.patch("/v1/sessions/api-life", json={"pinned": False, "pin_ttl_seconds": 9})
+        assert conflict.status_code == 400, conflict.text
 
         deleted = c.delete("/v1/sessions/api-life")
         assert deleted.status_code == 200
@@ -107,6 +126,8 @@ def _block_files(server: ServerProcess) -> set[str]:
         ("DELETE", "/v1/sessions/nope-404", None, 404),
         ("PATCH", "/v1/sessions/nope-404", {"pinned": True}, 404),
         ("POST", "/v1/sessions/nope-404/pin", None, 404),
+        ("POST", "/v1/sessions/nope-404/pin", {"pin_ttl_seconds": 0}, 422),
+        ("PATCH", "/v1/sessions/nope-404", {"pin_ttl_seconds": "long"}, 422),
         ("POST", "/v1/sessions/nope-404/prefetch", None, 404),
         ("POST", "/v1/sessions/nope-404/copy", {"target_id": "x1"}, 404),
         ("GET", "/v1/sessions/bad%20id", None, 400),
