@@ -6,13 +6,14 @@ through a server whose resident cache (20 blocks) and RAM tier (16 blocks) hold 
 contexts only; then the agent calls the model again. With the saver's run pins (the default)
 its session stays pinned in RAM for the run; with ``run_pins=False`` the eviction policy moves
 it to disk, and the next call loads it from there. Runs alternate on and off, each a fresh
-thread, on one server (the tiny random Llama, 128-token blocks).
+thread, on one server (the tiny random Llama, 128-token blocks of 128 KiB; ``--smollm2``:
+SmolLM2-135M, 5.9 MB blocks, the budgets scaled to the same block counts).
 
 Printed per setting: the agent's blocks in RAM when the tool ended, the blocks its next call
 loaded from RAM and from disk, its cached share of the prompt, and its time to first token
 (the call's wall time with a 1-token answer; median and range over the runs).
 
-    python benchmarks/pins.py [--runs 5]
+    python benchmarks/pins.py [--runs 5] [--smollm2]
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from examples.server_process import ServerProcess  # noqa: E402
 from examples.sleeping_tool import (  # noqa: E402
-    SERVER_FLAGS,
+    SMOLLM2_BLOCK_BYTES,
     SleepFigure,
+    server_flags,
     sleeping_tool_run,
     tiny_model,
 )
@@ -38,11 +40,17 @@ from langgraph_kvcache.checkpoint import SQLAlchemySaver  # noqa: E402
 from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions  # noqa: E402
 
 
-def run(runs: int) -> dict[bool, list[SleepFigure]]:
+def run(runs: int, smollm2: bool) -> dict[bool, list[SleepFigure]]:
     """``runs`` sleeping-tool runs with pins on and as many off, alternating."""
     figures: dict[bool, list[SleepFigure]] = {True: [], False: []}
     work = Path(tempfile.mkdtemp(prefix="lgkv-pins-"))
-    with ServerProcess(work / "cache", SERVER_FLAGS, model=tiny_model()) as server:
+    if smollm2:
+        from server.model import build_default_model
+
+        model_dir, flags = build_default_model(), server_flags(SMOLLM2_BLOCK_BYTES)
+    else:
+        model_dir, flags = tiny_model(), server_flags()
+    with ServerProcess(work / "cache", flags, model=model_dir) as server:
         model = ChatKVCache(base_url=server.url + "/v1", model=server.model_name, timeout=120)
         for i in range(runs):
             for pins in (True, False) if i % 2 == 0 else (False, True):
@@ -79,7 +87,11 @@ def print_table(figures: dict[bool, list[SleepFigure]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per setting (default 5)")
-    print_table(run(parser.parse_args().runs))
+    parser.add_argument(
+        "--smollm2", action="store_true", help="SmolLM2-135M (5.9 MB blocks), not the tiny model"
+    )
+    args = parser.parse_args()
+    print_table(run(args.runs, args.smollm2))
 
 
 if __name__ == "__main__":

@@ -33,19 +33,29 @@ from langgraph_kvcache import ChatKVCache, KVCacheClient
 
 BLOCK_BYTES = 128 * 1024
 """One KV block of ``tiny-llama-h32`` (128 tokens, float32)."""
-SERVER_FLAGS: tuple[str, ...] = (
-    "--kv-cache-memory-bytes", str(20 * BLOCK_BYTES),
-    "--max-model-len", "2048",
-    "--max-num-seqs", "4",
-    "--enforce-eager",
-    "--distributed-executor-backend", "uni",
-    "--kv-ram-bytes", str(16 * BLOCK_BYTES),
-    "--kv-disk-bytes", "1GiB",
-)  # fmt: skip
-"""vLLM's resident cache: 20 blocks (one 2,048-token context and a little); RAM tier: 16
-blocks, so the agent (3 to 4 blocks) and a few other threads fit, ten do not. The RAM tier
-leaves room for the saves in flight beside a pinned session: when pinned and in-flight blocks
-fill it, a pinned block moves to disk too (docs/agents.md, "What pins cost")."""
+SMOLLM2_BLOCK_BYTES = 5_898_240
+"""One KV block of SmolLM2-135M (128 tokens, float32)."""
+
+
+def server_flags(block_bytes: int = BLOCK_BYTES) -> tuple[str, ...]:
+    """Server flags for a model whose 128-token KV block takes ``block_bytes``: vLLM's
+    resident cache holds 20 blocks (one 2,048-token context and a little), the RAM tier 16,
+    so the agent (3 to 4 blocks) and a few other threads fit, ten do not. The RAM tier leaves
+    room for the saves in flight beside a pinned session: when pinned and in-flight blocks
+    fill it, a pinned block moves to disk too (docs/agents.md, "What pins cost")."""
+    return (
+        "--kv-cache-memory-bytes", str(20 * block_bytes),
+        "--max-model-len", "2048",
+        "--max-num-seqs", "4",
+        "--enforce-eager",
+        "--distributed-executor-backend", "uni",
+        "--kv-ram-bytes", str(16 * block_bytes),
+        "--kv-disk-bytes", "1GiB",
+    )  # fmt: skip
+
+
+SERVER_FLAGS = server_flags()
+"""The flags for ``tiny-llama-h32``."""
 OTHER_THREADS = 10
 """Threads whose turns run while the tool sleeps (each 3 to 4 blocks: 30 or more in all)."""
 ANSWER_TOKENS = 4
