@@ -185,13 +185,19 @@ class SessionKeeper(LifecycleHooks):
 
     def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:
         if self.run_pins is not None:
-            self._pin(self.run_pins.on_checkpoint(config, checkpoint))
+            self._pin(self.run_pins.on_checkpoint, config, checkpoint)
 
     def _after_task_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]]) -> None:
         if self.run_pins is not None:
-            self._pin(self.run_pins.on_writes(config, writes))
+            self._pin(self.run_pins.on_writes, config, writes)
 
-    def _pin(self, call: PinCall | None) -> None:
+    def _pin(self, decide: Callable[..., PinCall | None], *args: Any) -> None:
+        """Queue the pin call ``decide`` owes; never raises into the saver's write."""
+        try:
+            call = decide(*args)
+        except Exception as exc:  # a checkpoint not shaped as LangGraph's: no pin
+            logger.warning("run pins: checkpoint or writes not understood, no pin: %r", exc)
+            return
         if call is not None:
             self._submit(self._pin_steps(call))
 
