@@ -1,7 +1,7 @@
 """A tool that sleeps while other threads push the agent's KV out of the server's RAM tier.
 
 The workload of run-scoped pins (docs/agents.md), shared by ``benchmarks/pins.py`` and the
-suite (tests/integration/thread_session/test_run_pins.py). One agent thread runs
+suite (tests/integration/thread_session/test_run_pins_server.py). One agent thread runs
 ``model -> tool -> model``; its tool "sleeps" for as long as it takes other threads (other
 clients, each a managed session) to pass enough KV through the server to fill its RAM tier
 several times over: the tool waits while their turns run. The agent's second model call then
