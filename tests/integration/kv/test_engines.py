@@ -119,40 +119,11 @@ def redis_replicas(model: Path, folder: Path, what: str) -> Callable[[str], dict
 
 
 @pytest.mark.redis
-def test_second_replica_loads_from_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
-    url = REDIS_URL
-    prompt = [900 + i for i in range(3 * BLOCK + 20)]
-    replica = redis_replicas(tiny_model_dir, tmp_path, "replica")
-    model_id = replica("a")["kv_connector_extra_config"]["model_id"]
-
-    first = run_engine_script(
-        {
-            "engine": replica("a"),
-            "turns": [{"prompt": prompt, "session": "A"}, {"prompt": prompt, "cache": False}],
-        },
-        tmp_path,
-    )
-    (hit,) = run_engine_script(
-        {"engine": replica("b"), "turns": [{"prompt": prompt, "session": "A"}]}, tmp_path
-    )
-    assert hit["num_cached_tokens"] == 3 * BLOCK  # replica b has no disk files of its own
-    assert hit["tokens"] == first[1]["tokens"]
-    assert hit["logprobs"] == pytest.approx(first[1]["logprobs"], abs=1e-3)
-    reg = Registry(tmp_path / "b" / "sessions.sqlite3")  # B's counters are B's own
-    assert reg.stats()['lgkv_hit_blocks_total{tier="redis"}'] == 3
-    reg.close()
-    from server.kv.registry_redis import RedisSessions
-
-    shared = RedisSessions(url, model_id)  # both replicas' sessions (namespace: the model id)
-    assert shared.get_session("t", "A").turns == 2  # a turn on each replica
-    shared.clear()
-
-
-@pytest.mark.redis
 def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Replica A's turn ends inside a block; B's next turn extends it token for token and
-    loads A's full blocks and A's partial tail block from Redis: only the new tokens are
-    computed, with the cache-off run's tokens and logprobs."""
+    loads A's full blocks and A's partial tail block from Redis (B has no disk files of its
+    own): only the new tokens are computed, with the cache-off run's tokens and logprobs, and
+    B's counters and the shared session record show it."""
     replica = redis_replicas(tiny_model_dir, tmp_path, "tail")
     model_id = replica("a")["kv_connector_extra_config"]["model_id"]
 
@@ -187,4 +158,6 @@ def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_p
     assert stats['lgkv_hit_tails_total{tier="redis"}'] == 1
     from server.kv.registry_redis import RedisSessions
 
-    RedisSessions(REDIS_URL, model_id).clear()
+    shared = RedisSessions(REDIS_URL, model_id)  # both replicas' sessions (namespace: model id)
+    assert shared.get_session("t", "T").turns == 2  # a turn on each replica
+    shared.clear()
