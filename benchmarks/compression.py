@@ -260,9 +260,10 @@ def quality(model: Path, formats: list[str], n: int, batch: int, out: Path) -> N
             spec_file = Path(tmp) / "spec.json"
             spec_file.write_text(json.dumps(spec))
             rows = results[name] = []
-            with subprocess.Popen(
+            log = out / f"compression_quality_{name}.log"
+            with log.open("w") as err, subprocess.Popen(
                 [sys.executable, __file__, "_quality-engine", str(spec_file)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                stdout=subprocess.PIPE, stderr=err, text=True,
                 env={**os.environ, **_ENGINE_ENV},
             ) as proc:  # fmt: skip
                 assert proc.stdout is not None
@@ -274,7 +275,8 @@ def quality(model: Path, formats: list[str], n: int, batch: int, out: Path) -> N
                         print(f"  {name}: {len(rows)} prompts, {s['identical']:.1%} identical",
                               flush=True)  # fmt: skip
             if proc.returncode or not rows:
-                raise SystemExit(f"{name} engine failed (exit {proc.returncode})")
+                tail = "".join(log.read_text(errors="replace").splitlines(True)[-15:])
+                raise SystemExit(f"{name} engine failed (exit {proc.returncode}); {log}:\n{tail}")
         (out / "compression_quality.json").write_text(json.dumps(results))
         first = next(iter(results.values()))
         same = sum(

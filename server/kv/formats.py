@@ -4,18 +4,22 @@ A block leaves vLLM's paged cache in the engine's dtype (float32 on CPU). The ti
 in a smaller format; :class:`BlockFormat` says how many bytes that takes, so the scheduler side
 sizes the RAM pool and the disk budget by stored bytes, and :mod:`server.kv.codec` (worker side,
 torch) converts. Stored layout of one block: for every layer in manifest order, the layer's
-elements in the stored dtype, then (``int8``/``fp8`` only) its float16 scales.
+elements in the stored dtype, then (``int8``/``fp8`` only) its float16 scales and centers.
 
-Scales (:data:`SCALE_SCHEME`): one per row of ``head_size`` contiguous elements. vLLM's CPU
+Scales (:data:`SCALE_SCHEME`): one scale and one center per row of ``head_size`` contiguous
+elements; a row is stored as ``(x - center) / scale`` with the center midway between the
+row's minimum and maximum, so a row whose values sit away from zero (a key channel's offset)
+spends its 255 levels on its own range, not on ``[-amax, amax]``. vLLM's CPU
 layout of a layer block is ``[kv_heads, 2 * block_tokens, head_size]`` as a view (each head's
-keys, then its values), so a layer block has ``2 * kv_heads * block_tokens`` scales: 1.5 KB
-next to 48 KB of int8 for SmolLM2 (3 heads of 64, 128 tokens), 3.88x smaller than float32.
+keys, then its values; SmolLM2: 3 heads of 64, 128 tokens per block).
 What a row holds depends on the attention kernel's layout inside that view: vLLM CPU's ``vec``
 kernel (float32 on x86, csrc/cpu/cpu_attn_vec.hpp) writes values row-major, so a value row is
 one token's head vector, and keys column-major (``[head_size, block_tokens]``), so a key row
 is one channel over ``head_size`` consecutive tokens: per-channel key scales, as KIVI
 recommends, and per-token value scales. Rows that mix channels or tokens of another layout
-keep the same error bound per row.
+keep the same error bound per row. A layer block has ``2 * kv_heads * block_tokens`` rows,
+each with a scale and a center: 3 KB next to 48 KB of int8 for SmolLM2, 3.76x smaller than
+float32.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ OFFLOAD_DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
 """Accepted formats; ``auto`` stores the engine's own dtype (exact)."""
 
 SCALED = ("int8", "fp8")
-"""Formats that store a float32 scale per scale group."""
+"""Formats that store a scale and a center per row."""
 
 SCALE_BYTES = 2
-"""Bytes of one scale (float16; the quantization uses the rounded scale)."""
+"""Bytes of one scale or center (float16; the quantization uses the rounded values)."""
 
-SCALE_SCHEME = "rows:head,token;absmax;float16"
+SCALE_SCHEME = "rows:head,token;center,absmax;float16"
 """What the scales of ``int8``/``fp8`` blocks mean (part of the manifest fingerprint)."""
 
 _ELEMENT_BYTES = {
@@ -120,8 +124,14 @@ class BlockFormat:
         return self.layer_numel(layer) // (2 * self.kv_heads * self.block_tokens)
 
     def num_scales(self, layer: int) -> int:
-        """Scales of one block of layer ``layer`` (0 for unscaled formats): one per row."""
-        return 2 * self.kv_heads * self.block_tokens if self.scaled else 0
+        """float16 values after the elements of one block of layer ``layer`` (0 for unscaled
+        formats): a scale per row, then a center per row."""
+        return 2 * self.rows if self.scaled else 0
+
+    @property
+    def rows(self) -> int:
+        """Rows of one layer block (each holds ``head_size`` elements)."""
+        return 2 * self.kv_heads * self.block_tokens
 
     def stored_layer_bytes(self, layer: int) -> int:
         """Stored bytes of one block of layer ``layer`` (elements, then scales)."""

@@ -47,7 +47,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(dim=-1, keepdim=True).expand_as(x)
 
 
-SCALES = 2 * HEADS * TOKENS
+def half_range(x: torch.Tensor) -> torch.Tensor:
+    """Each element's row's ``(max - min) / 2``: what the centered scale spans."""
+    lo, hi = x.aminmax(dim=-1, keepdim=True)
+    return ((hi - lo) / 2).expand_as(x)
+
+
+SCALES = 2 * 2 * HEADS * TOKENS  # a scale and a center per row
 
 
 def test_stored_sizes_and_ratio() -> None:
@@ -98,13 +104,29 @@ def test_int8_error_at_most_half_a_step_per_group() -> None:
     codec = BlockCodec(fmt("int8"), [SHAPE, SHAPE])
     data, scales = codec.encode(x)
     assert data.shape == (4, NUMEL) and scales is not None and scales.shape == (4, SCALES)
+    kept = x.clone()
     back = codec.decode(0, data, scales)
-    # Half a step of the (float16-rounded) scale, plus the scale's own rounding at the clamp.
-    assert torch.all((back - x).abs() <= amax(x) * (1 / 254 + 2.0**-11))
+    assert torch.equal(x, kept), "encode changed its input"
+    # Half a step of the (float16-rounded) scale, plus the scale's and the center's own
+    # rounding at the clamp.
+    err = (back - x).abs()
+    assert torch.all(err <= half_range(x) * (1 / 254 + 2.0**-11) + amax(x) * 2.0**-11)
+    assert torch.all(err <= amax(x) * (1 / 254 + 2.0**-10))
     # Per-row scales: the quiet head keeps its precision next to the 100x head, and the
     # other tokens theirs next to the loud first token.
     assert (back - x)[:, 0].abs().max() < x[:, 1].abs().max() / 254 / 50
     assert (back - x)[:, :, 1:].abs().max() < x[:, :, 0].abs().amax() / 254 / 4
+
+
+def test_int8_rows_away_from_zero_spend_their_levels_on_their_own_range() -> None:
+    # A key channel sitting at +40 with a spread of +-1 (channel offsets, as SmolLM2's keys
+    # have): plain absmax would step by 41/127; the centered scale by 1/127.
+    g = torch.Generator().manual_seed(1)
+    x = 40.0 + torch.rand(3, *SHAPE, generator=g) * 2 - 1
+    codec = BlockCodec(fmt("int8"), [SHAPE, SHAPE])
+    back = codec.decode(0, *codec.encode(x))
+    assert (back - x).abs().max() <= 1 / 254 + 40 * 2.0**-11
+    assert (back - x).abs().max() < 41 / 254 / 10
 
 
 @pytest.mark.skipif(not fp8_available(), reason="torch without float8_e4m3fn")
@@ -113,7 +135,10 @@ def test_fp8_error_relative_to_each_value() -> None:
     codec = BlockCodec(fmt("fp8"), [SHAPE, SHAPE])
     data, scales = codec.encode(x)
     back = codec.decode(1, data, scales)
-    bound = x.abs() * 2.0**-4 + amax(x) * (2.0**-9 / 448 + 2.0**-11)  # 3 mantissa bits
+    lo, hi = x.aminmax(dim=-1, keepdim=True)
+    centered = (x - (lo + hi) / 2).abs()
+    # 3 mantissa bits of x - c, the subnormal step, and the center's float16 rounding.
+    bound = centered * 2.0**-4 + amax(x) * (2.0**-9 / 448 + 2.0**-10)
     assert torch.all((back - x).abs() <= bound * 1.0001)
 
 
