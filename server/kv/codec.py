@@ -6,13 +6,13 @@ them back, vectorised over the batch:
 
 - ``auto`` (or the engine's own dtype): the elements unchanged (exact).
 - ``float16`` / ``bfloat16``: a cast (float16 saturates at +-65504 instead of overflowing).
-- ``int8``: centered absmax quantization per row of ``head_size`` elements (one head and one
-  token, or one key channel over ``head_size`` tokens; see :mod:`server.kv.formats`): the
-  center ``c`` is midway between the row's minimum and maximum, ``q = round((x - c) / s)``
-  with ``s = max|x - c| / 127``; ``s`` and ``c`` stored as float16. On SmolLM2's KV this
-  halves the squared error of key rows next to plain absmax (``s = max|x| / 127``), whose
-  channels sit away from zero, and cuts that of value rows by a quarter.
-- ``fp8``: float8 e4m3 of ``(x - c) / s`` with ``s = max|x - c| / 448``, the same rows.
+- ``int8``: centered absmax quantization per group of ``SCALE_GROUP`` contiguous elements
+  (half a token's head vector, or one key channel over half of ``head_size`` tokens; see
+  :mod:`server.kv.formats`): the center ``c`` is midway between the group's minimum and
+  maximum, ``q = round((x - c) / s)`` with ``s = max|x - c| / 127``; ``s`` and ``c`` stored
+  as float16. On SmolLM2's KV the centers halve the squared error of key groups next to plain
+  absmax (``s = max|x| / 127``), whose channels sit away from zero.
+- ``fp8``: float8 e4m3 of ``(x - c) / s`` with ``s = max|x - c| / 448``, the same groups.
 
 Stored elements are raw bytes (``uint8`` views), so a pool slot, a file and a Redis value hold
 the same bytes. Scales are never zero, and the elements are taken relative to the stored
@@ -54,7 +54,7 @@ class BlockCodec:
 
     Contract: ``decode(*encode(x))`` equals ``x`` exactly when ``fmt.exact``; otherwise its
     error per element is at most half a quantization step (``int8``: ``max|x - c| / 254`` of
-    the element's row, at most ``amax / 254``; float casts: the cast's rounding).
+    the element's group, at most ``amax / 254``; float casts: the cast's rounding).
     """
 
     def __init__(self, fmt: BlockFormat, layer_shapes: list[tuple[int, ...]]) -> None:
@@ -80,8 +80,9 @@ class BlockCodec:
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x``: ``[n, *block_shape]`` blocks of one layer in the engine's dtype. Returns the
-        stored elements as ``uint8 [n, data_bytes]`` and ``float16 [n, 2 * rows]``: the rows'
-        scales, then their centers (``None`` for unscaled formats). ``x`` is not modified."""
+        stored elements as ``uint8 [n, data_bytes]`` and ``float16 [n, 2 * groups]``: the
+        groups' scales, then their centers (``None`` for unscaled formats). ``x`` is not
+        modified."""
         n = x.shape[0]
         if self.format.exact:
             return _as_bytes(x, n), None
@@ -90,7 +91,7 @@ class BlockCodec:
             if self.stored_dtype == torch.float16:
                 y = x.clamp(-_FP16_MAX, _FP16_MAX)
             return _as_bytes(y.to(self.stored_dtype), n), None
-        rows = x.reshape(n, self._rows, -1).to(torch.float32)
+        rows = x.reshape(n, self._groups, -1).to(torch.float32)
         top = _INT8_MAX if self.stored_dtype == torch.int8 else _FP8_MAX
         lo, hi = rows.aminmax(dim=-1, keepdim=True)
         center = lo.add_(hi).mul_(0.5).clamp_(-_FP16_MAX, _FP16_MAX).to(torch.float16)
@@ -118,14 +119,14 @@ class BlockCodec:
             return values.view(shape).to(self.engine_dtype)
         if scales is None:
             raise FormatError(f"{self.name} blocks need their scales")
-        rows = values.view(n, self._rows, -1).to(torch.float32)
-        meta = scales.reshape(n, 2, self._rows, 1).to(torch.float32)
+        rows = values.view(n, self._groups, -1).to(torch.float32)
+        meta = scales.reshape(n, 2, self._groups, 1).to(torch.float32)
         rows.mul_(meta[:, 0]).add_(meta[:, 1])
         return rows.view(shape).to(self.engine_dtype)
 
     @property
-    def _rows(self) -> int:
-        return self.format.rows
+    def _groups(self) -> int:
+        return self.format.groups(0)
 
 
 def _as_bytes(x: torch.Tensor, n: int) -> torch.Tensor:

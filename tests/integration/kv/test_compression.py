@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from kv_engine import BLOCK, block_bytes_of, engine_kwargs, run_engine_script
 
+from server.kv.formats import SCALE_GROUP
 from server.kv.registry import Registry
 
 pytestmark = pytest.mark.vllm
@@ -67,7 +68,8 @@ def test_int8_hits_answer_like_cache_off_and_other_formats_miss(
     (manifest,) = cache.glob("blocks/*/manifest.json")
     assert json.loads(manifest.read_text())["offload_dtype"] == "int8"
     head = json.loads((smollm2_dir / "config.json").read_text())["head_dim"]
-    ratio = 4 * head / (head + 4)  # int8 plus a float16 scale and center per row of head_size
+    group = SCALE_GROUP if head % SCALE_GROUP == 0 else head
+    ratio = 4 * group / (group + 4)  # int8 plus a float16 scale and center per group
     files = list(manifest.parent.rglob("*.kvb"))
     assert files and all(
         f.stat().st_size < block_bytes_of(smollm2_dir) / ratio + 4096 for f in files

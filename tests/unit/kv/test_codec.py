@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from server.config import ConfigError, ServerConfig, env_settings  # noqa: E402
 from server.kv.codec import BlockCodec, fp8_available  # noqa: E402
-from server.kv.formats import OFFLOAD_DTYPES, BlockFormat, FormatError  # noqa: E402
+from server.kv.formats import OFFLOAD_DTYPES, SCALE_GROUP, BlockFormat, FormatError  # noqa: E402
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
 from server.kv.settings import ConnectorSettings, SettingsError  # noqa: E402
 from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
@@ -127,6 +127,25 @@ def test_int8_rows_away_from_zero_spend_their_levels_on_their_own_range() -> Non
     back = codec.decode(0, *codec.encode(x))
     assert (back - x).abs().max() <= 1 / 254 + 40 * 2.0**-11
     assert (back - x).abs().max() < 41 / 254 / 10
+
+
+def test_int8_rows_of_64_get_a_scale_per_32_elements() -> None:
+    # SmolLM2's geometry: 64-element rows split into two groups of SCALE_GROUP (32).
+    heads, tokens, dim = 2, 4, 64
+    shape = (heads, 2 * tokens, dim)
+    numel = heads * 2 * tokens * dim
+    f = BlockFormat("int8", "float32", (numel * 4,), heads, tokens)
+    assert f.group_size(0) == SCALE_GROUP == 32 and f.num_scales(0) == 2 * numel // 32
+    assert f.block_bytes == numel + 2 * (numel // 32) * 2 and f.ratio == 4 * 32 / 36
+    x = torch.randn(3, *shape, generator=torch.Generator().manual_seed(2))
+    x[..., :32] *= 100.0  # a loud first half of every row
+    codec = BlockCodec(f, [shape])
+    data, scales = codec.encode(x)
+    assert scales is not None and scales.shape == (3, 2 * numel // 32)
+    back = codec.decode(0, data, scales)
+    quiet = x[..., 32:]
+    # the quiet half keeps its own step, 100x finer than the loud half's
+    assert (back - x)[..., 32:].abs().max() <= quiet.abs().max() * (1 / 127 + 2.0**-10)
 
 
 @pytest.mark.skipif(not fp8_available(), reason="torch without float8_e4m3fn")
