@@ -89,6 +89,9 @@ class Run:
     killed: str | None = None
     marked_down_s: float | None = None
     """Seconds from the kill until the router listed the killed replica as unhealthy."""
+    ends: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a call is marked ended and while the kill hook checks and kills, so a call
+    the hook saw still out is in flight at ``killed_at``."""
 
     def replicas(self, thread: str) -> list[str]:
         """The replica of each of ``thread``'s turns, in order."""
@@ -162,9 +165,11 @@ def run_threads(
             reply = llm.invoke(messages, session_id=session)
         except Exception as exc:  # the client gave up: counted, the thread stops here
             call.error = f"{type(exc).__name__}: {exc}"
-            call.ended = time.monotonic()
+            with run.ends:
+                call.ended = time.monotonic()
             return
-        call.ended = time.monotonic()
+        with run.ends:
+            call.ended = time.monotonic()
         usage = reply.usage_metadata or {}
         call.prompt_tokens = int(usage.get("input_tokens", 0))
         call.cached_tokens = int((usage.get("input_token_details") or {}).get("cache_read", 0))
@@ -227,12 +232,14 @@ def kill_when_busy(
                        for c in calls)  # fmt: skip
 
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if pending() and running_requests(url) >= 1 and pending():
-                break
+        while True:
+            busy = pending() and running_requests(url) >= 1
+            with run.ends:  # no call is marked ended between this check and the kill
+                if (busy and pending()) or time.monotonic() > deadline:
+                    run.killed_at, run.killed = time.monotonic(), name
+                    kill()
+                    break
             time.sleep(0.02)
-        run.killed_at, run.killed = time.monotonic(), name
-        kill()
         threading.Thread(target=watch, args=(run,), daemon=True).start()
 
     return hook

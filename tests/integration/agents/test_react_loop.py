@@ -1,7 +1,7 @@
 """A ReAct tool loop keeps its KV: LangGraph's prebuilt agent, real tools, the real server.
 
 Four threads run LangGraph's ``create_react_agent`` over the Wikipedia tools (agent_tools.py):
-five forced tool calls and a text answer each, six LLM calls per thread. The threads are
+six forced tool calls and a text answer each, seven LLM calls per thread. The threads are
 interleaved one LLM call at a time (``interrupt_before=["tools"]``, then resumed in turn), and the
 server's resident KV cache holds fewer tokens than the four contexts, so each thread comes back
 to find its KV pushed out of vLLM's cache and loads it from the RAM tier.
@@ -29,7 +29,7 @@ from langgraph_kvcache import ChatKVCache
 
 pytestmark = pytest.mark.vllm
 
-TOOL_CALLS = 5  # forced tool calls per thread; one text answer follows (6 LLM calls)
+TOOL_CALLS = 6  # forced tool calls per thread; one text answer follows
 QUESTIONS = (
     "What do the articles say about Astronomy and the Earth?",
     "Tell me about Chemistry and the Atom.",
