@@ -6,7 +6,7 @@ engine-side connector (which must not import the server's heavy parts through it
 * Session ids: :data:`SESSION_ID_PATTERN`, :func:`is_valid_session_id`,
   :func:`check_session_id` (raises :class:`InvalidSessionId`).
 * TTLs: :data:`MIN_TTL_SECONDS`, :data:`MAX_TTL_SECONDS`, :func:`check_ttl` (raises
-  :class:`InvalidTTL`); ``None`` means "never expires".
+  :class:`InvalidTTL`); ``None`` means "never expires". Pin leases: :func:`check_pin_update`.
 * What a generation request carries to the connector in ``SamplingParams.extra_args``
   (:data:`XARG_SESSION`, :data:`XARG_TENANT`, :data:`XARG_OP`, :data:`PREFETCH_OP`).
 * The JSON answers of the session API as dataclasses: :class:`Session`, :class:`TierUsage`,
@@ -48,6 +48,7 @@ __all__ = [
     "SessionList",
     "TierUsage",
     "Unset",
+    "check_pin_update",
     "check_session_id",
     "check_ttl",
     "is_valid_session_id",
@@ -122,6 +123,20 @@ def check_ttl(value: object, *, field: str = "ttl_seconds") -> float | None:
             f"(null: never expires), got {value!r}"
         )
     return float(value)
+
+
+def check_pin_update(pinned: bool | None, pin_ttl_seconds: float | None) -> bool | None:
+    """The pin a session update asks for: a pin lease (``pin_ttl_seconds``) implies
+    ``pinned=True``; otherwise ``pinned`` as given (``None``: leave the pin as it is).
+
+    Raises:
+        ValueError: a lease with ``pinned=False`` (leave ``pinned`` out or true).
+    """
+    if pin_ttl_seconds is None:
+        return pinned
+    if pinned is False:
+        raise ValueError("pin_ttl_seconds pins the session: leave pinned out or true")
+    return True
 
 
 # ----------------------------------------------------------------------------- extra_args

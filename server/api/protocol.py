@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -120,17 +120,12 @@ def _pin_ttl_field() -> Any:
     )
 
 
-_PIN_LEASE_UNPINNED = "pin_ttl_seconds pins the session: leave pinned out or true"
-
-
 class SessionUpdate(_Body):
     """``PATCH /v1/sessions/{id}``; absent fields stay as they are. A pin lease
     (``pin_ttl_seconds``) with ``"pinned": false`` contradicts itself: the schema excludes it
-    and the server answers 422."""
+    and the server answers 400 (:func:`~langgraph_kvcache.contract.check_pin_update`)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
+    model_config = ConfigDict(  # merged with _Body's (extra="forbid", strict)
         json_schema_extra={
             "not": {
                 "required": ["pinned", "pin_ttl_seconds"],
@@ -142,12 +137,6 @@ class SessionUpdate(_Body):
     ttl_seconds: float | None = _ttl_field()
     pinned: bool | None = None
     pin_ttl_seconds: float | None = _pin_ttl_field()
-
-    @model_validator(mode="after")
-    def _lease_pins(self) -> SessionUpdate:
-        if self.pinned is False and self.pin_ttl_seconds is not None:
-            raise ValueError(_PIN_LEASE_UNPINNED)
-        return self
 
 
 class SessionPin(_Body):

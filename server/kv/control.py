@@ -59,6 +59,7 @@ from langgraph_kvcache.contract import (
     Session,
     TierUsage,
     Unset,
+    check_pin_update,
     check_session_id,
     check_ttl,
 )
@@ -192,10 +193,7 @@ class SessionControl:
         set_ttl = not isinstance(ttl_seconds, Unset)
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
         lease = check_ttl(pin_ttl_seconds, field="pin_ttl_seconds")
-        if lease is not None:
-            if pinned is False:
-                raise ValueError("pin_ttl_seconds pins the session: leave pinned out or true")
-            pinned = True
+        pinned = check_pin_update(pinned, lease)
         self.catch_up()
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned, pin_ttl_s=lease

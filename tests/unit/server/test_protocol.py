@@ -1,19 +1,18 @@
-"""Session API bodies: a contradiction the schema states is refused with 422, never accepted."""
+"""Session API bodies: a contradiction the server refuses is one the schema excludes."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.api.protocol import APIError, SessionUpdate, parse_body
+from langgraph_kvcache.contract import check_pin_update
+from server.api.protocol import SessionUpdate
 
 
-def test_a_pin_lease_with_pinned_false_is_a_422_and_the_schema_excludes_it() -> None:
-    with pytest.raises(APIError) as err:
-        parse_body(SessionUpdate, b'{"pinned": false, "pin_ttl_seconds": 20}')
-    assert err.value.status == 422 and "leave pinned out or true" in str(err.value)
+def test_a_pin_lease_with_pinned_false_is_refused_and_the_schema_excludes_it() -> None:
+    with pytest.raises(ValueError, match="leave pinned out or true"):
+        check_pin_update(False, 20.0)
+    assert check_pin_update(None, 20.0) is True and check_pin_update(True, 20.0) is True
+    assert check_pin_update(False, None) is False and check_pin_update(None, None) is None
     excluded = SessionUpdate.model_json_schema()["not"]
     assert excluded["required"] == ["pinned", "pin_ttl_seconds"]
     assert excluded["properties"]["pinned"] == {"const": False}
-    body = parse_body(SessionUpdate, b'{"pinned": true, "pin_ttl_seconds": 20}')
-    assert isinstance(body, SessionUpdate) and body.pin_ttl_seconds == 20.0
-    assert isinstance(parse_body(SessionUpdate, b'{"pinned": false}'), SessionUpdate)
