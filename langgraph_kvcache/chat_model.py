@@ -35,19 +35,23 @@ backoff; ``include_response_headers=True`` puts the answer's headers, the replic
 ``x-lgkv-replica`` among them, in ``response_metadata["headers"]``.
 
 Streaming, tool calling (``bind_tools``), ``with_structured_output`` and the async methods are
-ChatOpenAI's; the session is applied on all of them.
+ChatOpenAI's; the session is applied on all of them. One difference in structured output: JSON
+mode given a schema (``with_structured_output(Schema, method="json_mode")``) is served as
+``json_schema``, since the server (vLLM's structured outputs) can hold the answer to the schema
+and not just to "some JSON object"; a small model in plain JSON mode may nest objects until
+its token limit. Without a schema, JSON mode is plain ``{"type": "json_object"}``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk
-from langchain_core.runnables import RunnableConfig, ensure_config
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
@@ -146,6 +150,26 @@ class ChatKVCache(ChatOpenAI):
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "langgraph-kvcache"
         return params
+
+    # -- structured output --------------------------------------------------------------------
+    def with_structured_output(
+        self,
+        schema: Any = None,
+        *,
+        method: Literal["function_calling", "json_mode", "json_schema"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """ChatOpenAI's, except that ``method="json_mode"`` with a ``schema`` is served as
+        ``"json_schema"``: the answer is held to the schema by the server, parsed the same way
+        (a Pydantic instance for a Pydantic class, else a dict). Without a schema, JSON mode is
+        unchanged (any JSON object)."""
+        if method == "json_mode" and schema is not None:
+            method = "json_schema"
+        return super().with_structured_output(
+            schema, method=method, include_raw=include_raw, strict=strict, **kwargs
+        )
 
     # -- session resolution -------------------------------------------------------------------
     def resolve_session_id(

@@ -275,6 +275,21 @@ def test_with_structured_output(recorder: Any, model: ChatKVCache, method: str) 
     result = structured.invoke("2+2? answer in JSON", config={"configurable": {"thread_id": "so"}})
     assert result == Answer(answer="4")
     assert sent_sessions(recorder) == ["so"]
+    fmt = recorder.chat_bodies()[0].get("response_format") or {}
+    if method == "function_calling":
+        assert fmt == {}
+    else:  # JSON mode with a schema is held to the schema, like json_schema
+        assert fmt["type"] == "json_schema", fmt
+        assert fmt["json_schema"]["schema"]["properties"] == {
+            "answer": {"title": "Answer", "type": "string"}
+        }
+
+
+def test_json_mode_without_a_schema_is_any_json_object(recorder: Any, model: ChatKVCache) -> None:
+    recorder.queue_chat(content='{"answer": "4"}')
+    result = model.with_structured_output(method="json_mode").invoke("2+2? answer in JSON")
+    assert result == {"answer": "4"}
+    assert recorder.chat_bodies()[0]["response_format"] == {"type": "json_object"}
 
 
 def test_structured_output_streaming_keeps_the_session(recorder: Any, model: ChatKVCache) -> None:

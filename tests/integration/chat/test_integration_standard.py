@@ -4,9 +4,11 @@
 (SmolLM2-135M-Instruct) with the session KV connector on and no API key, shared with the agent
 tests. Every standard feature the server serves is declared: tool calling and a forced tool
 choice (vLLM constrains the call, arguments included, to the tool's schema), structured output
-(JSON schema) and JSON mode. What remains marked is what a 135M-parameter model cannot do, not what
-the server or ChatKVCache lacks: each xfail says why; the two that write to the token limit
-are not rerun (greedy decoding makes the outcome fixed), the other fails on any other error.
+(JSON schema) and JSON mode (given a schema, ChatKVCache has the server hold the answer to it:
+in plain JSON mode SmolLM2-135M nests ``{"setup":{"setup":...`` until the token limit). What
+remains marked is what a 135M-parameter model cannot do, not what the server or ChatKVCache
+lacks: each xfail says why; the one that writes to the token limit is not rerun (greedy
+decoding makes the outcome fixed), the other fails on any other error.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
 
     @property
     def supports_json_mode(self) -> bool:
-        return True  # served (vLLM constrains to a JSON object); see the xfail below
+        return True  # with a schema, served as json_schema (ChatKVCache.with_structured_output)
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[Any]]:
@@ -133,17 +135,6 @@ class TestChatKVCacheIntegration(ChatModelIntegrationTests):
     )
     def test_structured_output_optional_param(self, model: Any) -> None:
         super().test_structured_output_optional_param(model)
-
-    @pytest.mark.xfail(
-        reason="json_object output has no schema to end it: SmolLM2-135M nests "
-        '{"setup":{"setup":... until the 100-token limit (LengthFinishReasonError); '
-        "with_structured_output(schema), which passes, is the way to get JSON (greedy, so "
-        "not rerun: each run writes to the limit, minutes on a busy CPU)",
-        raises=LengthFinishReasonError,
-        run=False,
-    )
-    def test_json_mode(self, model: Any) -> None:
-        super().test_json_mode(model)
 
     @pytest.mark.xfail(
         reason="needs the model to decide by itself to call a tool (tool_choice auto): "

@@ -30,6 +30,7 @@ def engine_kwargs(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     return {
         "model": str(model_dir),
         "dtype": "float32",
+        "block_size": BLOCK,  # CPU's default; explicit so the tests' arithmetic holds on GPUs
         "enforce_eager": True,
         "distributed_executor_backend": "uni",
         "kv_cache_memory_bytes": 128 * bb,
