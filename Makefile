@@ -6,6 +6,11 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
+# Test modules run in TEST_WORKERS processes (pytest-xdist, whole modules per worker). The vLLM
+# tests compute on one OpenMP thread each (tests/conftest.py), so two workers use both cores of
+# a 2-core machine; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 .PHONY: setup test lint demo bench docs cluster
 
 setup:
@@ -17,7 +22,7 @@ lint:
 test:
 	@v=$(VENV); set -e; \
 	$$v/bin/ruff check langgraph_kvcache server tests benchmarks examples; \
-	$$v/bin/python -m pytest -q -ra --timeout 1200 $(PYTEST_ARGS)
+	$$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo:
 	@v=$(VENV); $$v/bin/python -m examples.demo

@@ -11,6 +11,7 @@ random-weight test model.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.metadata
 import json
 import logging
@@ -62,24 +63,42 @@ def find_gguf() -> Path:
     raise ModelBuildError(f"{GGUF_NAME} is missing from {GGUF_DIST}; reinstall it.")
 
 
-def _atomic_folder(out: Path, build) -> Path:  # type: ignore[no-untyped-def]
+def _atomic_folder(out: Path, build, ready) -> Path:  # type: ignore[no-untyped-def]
+    """Build ``out`` in a temp folder and rename it into place, one process at a time.
+
+    Processes that build the same folder at once (test workers, two ``make`` targets) queue on
+    a lock file beside it; one that gets the lock after another built ``out`` (``ready(out)``)
+    keeps that one, so no process deletes a folder another is reading.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        build(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with (out.parent / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready(out):
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            build(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _default_ready(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def _tiny_ready(out: Path) -> bool:
+    return (out / "config.json").is_file()
 
 
 def build_default_model(out: Path | None = None) -> Path:
     """Dequantize the SmolLM2 GGUF into ``out`` (float32 safetensors + tokenizer). Idempotent."""
     out = Path(out) if out else default_model_dir()
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _default_ready(out):
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -104,7 +123,7 @@ def build_default_model(out: Path | None = None) -> Path:
         _ensure_chat_template(tmp, tok)
 
     log.info("building %s from %s", out, gguf)
-    return _atomic_folder(out, build)
+    return _atomic_folder(out, build, _default_ready)
 
 
 def _ensure_chat_template(folder: Path, tok) -> None:  # type: ignore[no-untyped-def]
@@ -118,7 +137,7 @@ def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
     Head size 32 (the smallest vLLM's CPU attention kernel takes), 2 KV heads, float32.
     """
     out = Path(out)
-    if (out / "config.json").is_file():
+    if _tiny_ready(out):
         return out
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -149,7 +168,7 @@ def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
         _ensure_chat_template(tmp, tok)
         (tmp / "lgkv_tiny.json").write_text(json.dumps({"random_weights": True, "seed": 0}))
 
-    return _atomic_folder(out, build)
+    return _atomic_folder(out, build, _tiny_ready)
 
 
 def main(argv: list[str] | None = None) -> None:

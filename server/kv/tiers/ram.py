@@ -4,7 +4,9 @@ Slot ``s`` holds one block of every layer back to back in the stored format of t
 :class:`~server.kv.codec.BlockCodec` (the same bytes a disk file holds): per layer its stored
 elements, then its scales (``int8``/``fp8``). The pool is viewed per layer as ``uint8
 [num_slots, data_bytes]`` and ``float16 [num_slots, rows]``, so a save or load of a batch of
-blocks is one encode or decode and one indexed copy per layer.
+blocks is one encode or decode per layer. On CPU the bytes move block by block (``copy_``; for
+the exact format straight between the paged block and its slot); on CUDA as one indexed copy
+per layer (one host-device transfer).
 """
 
 from __future__ import annotations
@@ -44,6 +46,48 @@ class RamPool:
 
     def save(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
         """Encode paged blocks into slots (``kv``: per-layer views with the block dim first)."""
+        if kv and kv[0].device.type != "cpu":
+            return self._save_batched(kv, block_ids, slots)
+        pairs = list(zip(block_ids, slots, strict=True))
+        for i, layer in enumerate(kv):
+            if self.codec.format.exact:  # one copy per block, straight into its slot
+                for block, slot in pairs:
+                    self._slot_values(i, slot, layer).copy_(layer[block])
+                continue
+            data, scales = self.codec.encode(torch.stack([layer[b] for b in block_ids]))
+            pool_scales = self.scales[i]
+            for j, (_, slot) in enumerate(pairs):
+                self.data[i][slot].copy_(data[j])
+                if pool_scales is not None and scales is not None:
+                    pool_scales[slot].copy_(scales[j])
+        return None
+
+    def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
+        """Decode slots into paged blocks."""
+        if kv and kv[0].device.type != "cpu":
+            return self._load_batched(kv, slots, block_ids)
+        pairs = list(zip(slots, block_ids, strict=True))
+        for i, layer in enumerate(kv):
+            if self.codec.format.exact:
+                for slot, block in pairs:
+                    layer[block].copy_(self._slot_values(i, slot, layer))
+                continue
+            pool_scales = self.scales[i]
+            data = torch.stack([self.data[i][s] for s in slots])
+            scales = None if pool_scales is None else torch.stack([pool_scales[s] for s in slots])
+            blocks = self.codec.decode(i, data, scales)
+            for j, (_, block) in enumerate(pairs):
+                layer[block].copy_(blocks[j])
+        return None
+
+    def _slot_values(self, layer: int, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """Slot ``slot``'s bytes of ``layer`` viewed as one block of ``like`` (exact formats)."""
+        return self.data[layer][slot].view(like.dtype).view(like.shape[1:])
+
+    # On CUDA one batched host<->device transfer per layer beats many small ones; on CPU the
+    # indexed gather/scatter of these two costs about 6x a plain copy per block (measured:
+    # 4.2-4.6 ms against 0.7 ms per SmolLM2 block on one thread), so CPU copies block by block.
+    def _save_batched(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
         src = torch.tensor(block_ids, dtype=torch.long)
         dst = torch.tensor(slots, dtype=torch.long)
         for i, layer in enumerate(kv):
@@ -53,8 +97,7 @@ class RamPool:
             if pool_scales is not None and scales is not None:
                 pool_scales[dst] = scales.to(self.buffer.device)
 
-    def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
-        """Decode slots into paged blocks."""
+    def _load_batched(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
         src = torch.tensor(slots, dtype=torch.long)
         dst = torch.tensor(block_ids, dtype=torch.long)
         for i, layer in enumerate(kv):

@@ -1,7 +1,7 @@
 """Two real server replicas sharing KV and sessions through the real Redis (issue 11).
 
 Replicas A and B: the tiny model, each its own cache folder, the same ``--kv-redis-url``
-(db 11, emptied first) and so the same session namespace (the served model name). Small
+(db 10, emptied first) and so the same session namespace (the served model name). Small
 budgets: 32-token blocks, a 3 MiB resident cache (one context) that a couple of long
 prompts flush, so a hit can only come from the connector's tiers. One pair for the module.
 """
@@ -23,7 +23,7 @@ from tests.integration.conftest import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
+REDIS_URL = "redis://127.0.0.1:6379/10"
 NAMESPACE = "tiny-llama"  # the served model name: replicas of one model share sessions
 PORTS = (18101, 18102)
 BLOCK = 32
@@ -57,7 +57,7 @@ def replicas(
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     redis = pytest.importorskip("redis")
     try:
-        redis.Redis.from_url(REDIS_URL).flushdb()  # db 11 is this suite's
+        redis.Redis.from_url(REDIS_URL).flushdb()  # db 10 is this module's alone
     except redis.exceptions.ConnectionError:
         pytest.skip("no Redis on 127.0.0.1:6379")
     servers = []
