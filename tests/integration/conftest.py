@@ -50,6 +50,15 @@ TEST_ENGINE_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+def wait_until(check: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``check`` every 0.1 s until it is true; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

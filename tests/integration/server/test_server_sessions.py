@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.integration.conftest import wait_until
+
 if TYPE_CHECKING:
     from tests.integration.conftest import ServerProcess
 
@@ -81,10 +83,18 @@ def test_create_get_list_patch_pin_delete(lgkv_server: ServerProcess) -> None:
 def test_session_filled_by_requests_then_copied_prefetched_deleted(
     lgkv_server: ServerProcess,
 ) -> None:
+    before = _block_files(lgkv_server)
     _talk(lgkv_server, "api-filled")
     with lgkv_server.client() as c:
         info = c.get("/v1/sessions/api-filled").json()
         assert info["num_blocks"] >= 2 and info["turns"] == 1
+        # Disk writes are asynchronous (the answer comes first): wait until the turn's block
+        # files are there, so the deletes below have files to remove.
+        wait_until(
+            lambda: len(_block_files(lgkv_server) - before) >= info["num_blocks"],
+            "the turn's block files",
+            timeout_s=60,
+        )
         # Full blocks, plus the partly filled tail block of the turn (server/kv/tails.py).
         full, tail = divmod(info["num_tokens"], 128)
         assert info["num_blocks"] == full + (tail > 0)

@@ -11,7 +11,6 @@ The measured shares are printed (``pytest -s``).
 from __future__ import annotations
 
 import itertools
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import SQLAlchemySaver
 from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
 from langgraph_kvcache.client import SessionNotFoundError
+from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -55,14 +55,6 @@ def _ask(
     turn = turn_of(graph.invoke({"messages": [*messages, HumanMessage(text)]}, config))
     print(f"  {thread}: {turn}")
     return turn
-
-
-def _wait_for(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _files_of(cache_dir: Path, keys: set[str]) -> set[str]:
@@ -102,9 +94,8 @@ def test_agent_thread_keeps_its_kv_in_step(
         # Restart: RAM is gone, the disk tier stays; get_tuple prefetches the thread's KV.
         lgkv_server.restart()
         saver.get_tuple({"configurable": {"thread_id": a}})
-        _wait_for(
+        wait_until(
             lambda: kv.get_session(a).tiers["ram"].blocks == kv.get_session(a).num_blocks > 0,
-            30,
             "the saver's prefetch to load the session into RAM",
         )
         rag = _ask(graph, a, "Search Wikipedia about the Eiffel Tower.", tool="search_wikipedia")
@@ -136,7 +127,7 @@ def test_agent_thread_keeps_its_kv_in_step(
         keys = registry_keys(cache_dir)
         own_a = keys[a] - set().union(*(v for k, v in keys.items() if k != a))
         assert own_a, "the RAG turn added blocks only thread a holds"
-        _wait_for(lambda: _files_of(cache_dir, own_a) == own_a, 30, "block files of thread a")
+        wait_until(lambda: _files_of(cache_dir, own_a) == own_a, "block files of thread a")
         shared_files = _files_of(cache_dir, keys[a] & keys[b])
         assert shared_files, "the fork shares thread a's history"
         saver.delete_thread(a)

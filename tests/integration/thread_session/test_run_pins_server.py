@@ -30,6 +30,7 @@ from examples.sleeping_tool import SERVER_FLAGS, AgentState, notes, sleeping_too
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import AsyncSQLAlchemySaver, SQLAlchemySaver
 from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions
+from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -52,14 +53,6 @@ def _options(server: Any, **kw: Any) -> KVSessionOptions:
     kw.setdefault("run_pin_s", RUN_PIN_S)
     kw.setdefault("interrupt_pin_s", INTERRUPT_PIN_S)
     return KVSessionOptions(server.base_url, ttl_seconds=600, **kw)
-
-
-def _wait(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def _tag(name: str) -> str:
@@ -124,7 +117,7 @@ def test_a_run_is_pinned_while_on_and_released_at_its_end(
     tag, seen = _tag("run"), {}
 
     def middle(state: AgentState) -> dict[str, Any]:
-        _wait(lambda: kv.get_session(tag).pinned, "the run's pin")
+        wait_until(lambda: kv.get_session(tag).pinned, "the run's pin")
         seen["session"] = kv.get_session(tag)
         seen["now"] = time.time()
         return {}
@@ -135,7 +128,7 @@ def test_a_run_is_pinned_while_on_and_released_at_its_end(
         lease_end = seen["session"].pin_expires_at
         assert lease_end is not None and lease_end <= seen["now"] + RUN_PIN_S
         assert lease_end > seen["now"] + RUN_PIN_S / 2
-        _wait(lambda: not kv.get_session(tag).pinned, "the release at the run's end")
+        wait_until(lambda: not kv.get_session(tag).pinned, "the release at the run's end")
         assert kv.get_session(tag).pin_expires_at is None
 
     off = _tag("off")  # run_pins=False: never pinned
@@ -159,7 +152,7 @@ def test_the_async_saver_pins_and_releases(
     tag, seen = _tag("async"), {}
 
     def middle(state: AgentState) -> dict[str, Any]:  # runs in a worker thread of ainvoke
-        _wait(lambda: kv.get_session(tag).pinned, "the run's pin")
+        wait_until(lambda: kv.get_session(tag).pinned, "the run's pin")
         seen["pinned"] = True
         return {}
 
@@ -172,7 +165,7 @@ def test_the_async_saver_pins_and_releases(
 
     asyncio.run(main())
     assert seen["pinned"]
-    _wait(lambda: not kv.get_session(tag).pinned, "the release at the run's end")
+    wait_until(lambda: not kv.get_session(tag).pinned, "the release at the run's end")
     kv.close()
 
 
@@ -183,7 +176,7 @@ def test_an_error_releases_and_an_interrupt_keeps_the_interrupt_lease(
     failing, asking = _tag("error"), _tag("interrupt")
 
     def boom(state: AgentState) -> dict[str, Any]:
-        _wait(lambda: kv.get_session(failing).pinned, "the run's pin")
+        wait_until(lambda: kv.get_session(failing).pinned, "the run's pin")
         raise RuntimeError("the tool failed")
 
     def ask(state: AgentState) -> dict[str, Any]:
@@ -195,7 +188,7 @@ def test_an_error_releases_and_an_interrupt_keeps_the_interrupt_lease(
             _graph(model, boom, saver).invoke(
                 _start(failing), {"configurable": {"thread_id": failing}}
             )
-        _wait(lambda: not kv.get_session(failing).pinned, "the release after the error")
+        wait_until(lambda: not kv.get_session(failing).pinned, "the release after the error")
 
         graph = _graph(model, ask, saver)
         config = {"configurable": {"thread_id": asking}}
@@ -208,11 +201,13 @@ def test_an_error_releases_and_an_interrupt_keeps_the_interrupt_lease(
             end = session.pin_expires_at
             return session.pinned and end is not None and end > before + RUN_PIN_S + 60
 
-        _wait(interrupt_lease, "the interrupt lease")
+        wait_until(interrupt_lease, "the interrupt lease")
         assert kv.get_session(asking).pin_expires_at <= time.time() + INTERRUPT_PIN_S
         graph.invoke(Command(resume="yes"), config)
         assert not graph.get_state(config).next
-        _wait(lambda: not kv.get_session(asking).pinned, "the release when the resumed run ends")
+        wait_until(
+            lambda: not kv.get_session(asking).pinned, "the release when the resumed run ends"
+        )
     kv.close()
 
 
@@ -228,7 +223,7 @@ def test_a_lease_nobody_releases_lapses_on_the_server(
         graph.invoke(_start(tag), {"configurable": {"thread_id": tag}})
         # The run stopped before "middle" on a checkpoint with a pending task: pinned with
         # the 2 s run lease, and no later checkpoint of this client will release it.
-        _wait(lambda: kv.get_session(tag).pinned, "the run's pin")
-    _wait(lambda: not kv.get_session(tag).pinned, "the lease to lapse")
+        wait_until(lambda: kv.get_session(tag).pinned, "the run's pin")
+    wait_until(lambda: not kv.get_session(tag).pinned, "the lease to lapse")
     assert kv.get_session(tag).pin_expires_at is None
     kv.close()
