@@ -96,48 +96,30 @@ def list_digests(step: int) -> int:
     return count % ANCHOR_EVERY
 
 
+CHECKPOINT_ROW = {
+    "two": "INSERT INTO checkpoints VALUES ('bench-0', '', %s, %s, NULL, 'z1:msgpack', %s, %s, "
+    "%s, %s, %s)",
+    "one": "INSERT INTO checkpoint_log (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, "
+    "parent_checkpoint_id, type, data, metadata, blob_versions, lists, items) VALUES "
+    "('bench-0', '', %s, '', 0, %s, 'z1:msgpack', %s, %s, %s, %s, %s)",
+}
+WRITE_ROW = {
+    "two": "INSERT INTO checkpoint_writes VALUES ('bench-0', '', %s, %s, 0, '', 'messages', "
+    "'lgkv.items', %s)",
+    "one": "INSERT INTO checkpoint_log (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, "
+    "task_path, channel, type, data) VALUES ('bench-0', '', %s, %s, 0, '~0', 'messages', "
+    "'lgkv.items', %s)",
+}
+
+
 def fill(conn: psycopg.Connection, steps: int, sessions: bool, layout: str = "two") -> None:
-    if layout != "two":
-        fill_one(conn, steps, sessions, compact=layout == "one-compact")
-        return
-    for sql in SCHEMA + (SESSIONS if sessions else ()):
-        conn.execute(sql)
-    conn.execute("INSERT INTO checkpoint_migrations SELECT generate_series(0, 7)")
-    context = ("retrieved passage: " + "lorem ipsum " * 60).encode() * 8
-    version = "0000000000000001.abcdefabcdef"
-    conn.execute(
-        "INSERT INTO checkpoint_blobs VALUES ('bench-0', '', 'context', %s, 'msgpack', %s)",
-        (version, context),
-    )
-    parent = None
-    for step in range(steps):
-        checkpoint_id = str(uuid.uuid1())
-        conn.execute(
-            "INSERT INTO checkpoints VALUES ('bench-0', '', %s, %s, NULL, 'z1:msgpack', %s, %s, "
-            "%s, %s, %s)",
-            (
-                checkpoint_id,
-                parent,
-                os.urandom(47),
-                json.dumps({"source": "loop", "step": step, "parents": {}}),
-                json.dumps({"context": version}),
-                os.urandom(30 + DIGEST * list_digests(step)),
-                os.urandom(MESSAGE_BYTES) if step == 0 else None,
-            ),
-        )
-        conn.execute(
-            "INSERT INTO checkpoint_writes VALUES ('bench-0', '', %s, %s, 0, '', 'messages', "
-            "'lgkv.items', %s)",
-            (checkpoint_id, f"task-{step}", os.urandom(DIGEST + MESSAGE_BYTES + 8)),
-        )
-        parent = checkpoint_id
-
-
-def fill_one(conn: psycopg.Connection, steps: int, sessions: bool, *, compact: bool) -> None:
-    """The benchmark thread's rows in the one-busy-table layout (``--layout one``): the same
-    row contents as :func:`fill`, a checkpoint row and a write row per step in one table."""
-    id_type = "BYTEA" if compact else "TEXT"
-    ddl = (ONE_SCHEMA[0], ONE_TABLE.format(id=id_type), *ONE_SCHEMA[1:])
+    """Create ``layout``'s tables and fill them with the benchmark thread's rows: a checkpoint
+    row and a pending write row per step (in one table with ``--layout one``)."""
+    compact = layout == "one-compact"
+    if layout == "two":
+        ddl: tuple[str, ...] = SCHEMA
+    else:
+        ddl = (ONE_SCHEMA[0], ONE_TABLE.format(id="BYTEA" if compact else "TEXT"), *ONE_SCHEMA[1:])
     for sql in ddl + (SESSIONS if sessions else ()):
         conn.execute(sql)
     conn.execute("INSERT INTO checkpoint_migrations SELECT generate_series(0, 7)")
@@ -149,20 +131,19 @@ def fill_one(conn: psycopg.Connection, steps: int, sessions: bool, *, compact: b
     )
 
     def ident(value: uuid.UUID | str) -> bytes | str:
+        """An id as stored: text, or with ``one-compact`` a UUID's 16 bytes."""
         if not compact:
             return str(value)
         return value.bytes if isinstance(value, uuid.UUID) else value.encode()
 
+    kind = "two" if layout == "two" else "one"
     parent = None
     for step in range(steps):
         checkpoint_id = ident(uuid.uuid1())
         conn.execute(
-            "INSERT INTO checkpoint_log (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, "
-            "parent_checkpoint_id, type, data, metadata, blob_versions, lists, items) VALUES "
-            "('bench-0', '', %s, %s, 0, %s, 'z1:msgpack', %s, %s, %s, %s, %s)",
+            CHECKPOINT_ROW[kind],
             (
                 checkpoint_id,
-                ident(""),
                 parent,
                 os.urandom(47),
                 json.dumps({"source": "loop", "step": step, "parents": {}}),
@@ -171,12 +152,8 @@ def fill_one(conn: psycopg.Connection, steps: int, sessions: bool, *, compact: b
                 os.urandom(MESSAGE_BYTES) if step == 0 else None,
             ),
         )
-        conn.execute(
-            "INSERT INTO checkpoint_log (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, "
-            "task_path, channel, type, data) VALUES ('bench-0', '', %s, %s, 0, '~0', 'messages', "
-            "'lgkv.items', %s)",
-            (checkpoint_id, ident(f"task-{step}"), os.urandom(DIGEST + MESSAGE_BYTES + 8)),
-        )
+        write = (checkpoint_id, ident(f"task-{step}"), os.urandom(DIGEST + MESSAGE_BYTES + 8))
+        conn.execute(WRITE_ROW[kind], write)
         parent = checkpoint_id
 
 
