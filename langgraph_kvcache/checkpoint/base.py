@@ -30,7 +30,7 @@ from langgraph.checkpoint.base import (
 )
 from sqlalchemy import func, insert, select, text
 
-from langgraph_kvcache.checkpoint import codec, compress, delta, filters, queries
+from langgraph_kvcache.checkpoint import codec, compress, delta, filters, queries, write_queries
 from langgraph_kvcache.checkpoint.engine import BEGIN_OPTION
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.list_rows import DEFAULT_SNAPSHOT_EVERY, MissingItems
@@ -190,12 +190,14 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
         new_versions: ChannelVersions,
     ) -> tuple[codec.PutRows, Mode]:
         """The rows of a ``put`` and how to run them: one statement on PostgreSQL unless it
-        carries more than ``queries.PUT_INLINE_ITEMS`` new list items."""
+        carries more than ``write_queries.PUT_INLINE_ITEMS`` new list items."""
         md = get_serializable_checkpoint_metadata(config, metadata)
         filters.check_storable(self.dialect, md)
         rows = codec.checkpoint_row(self.serde, config, checkpoint, md, new_versions, self.lists)
         if self.dialect == "postgresql":
-            mode: Mode = "single" if len(rows.item_rows) <= queries.PUT_INLINE_ITEMS else "write"
+            mode: Mode = (
+                "single" if len(rows.item_rows) <= write_queries.PUT_INLINE_ITEMS else "write"
+            )
         else:
             mode = "write"
         return rows, mode
@@ -205,22 +207,22 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
         row, blob_rows, item_rows = rows.row, rows.blob_rows, rows.item_rows
         if self.dialect == "postgresql":
             # One statement: items and blobs in data-modifying CTEs, then the checkpoint upsert.
-            inline = item_rows if len(item_rows) <= queries.PUT_INLINE_ITEMS else []
+            inline = item_rows if len(item_rows) <= write_queries.PUT_INLINE_ITEMS else []
             if item_rows and not inline:
-                yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
+                yield Stmt(write_queries.insert_items(self.dialect), item_rows, plain=True)
             params = {
                 **row,
-                **(queries.row_params(self.dialect, blob_rows) if blob_rows else {}),
-                **queries.item_params(inline),
+                **(write_queries.row_params(self.dialect, blob_rows) if blob_rows else {}),
+                **write_queries.item_params(inline),
             }
-            stmt = queries.put_checkpoint(self.dialect, len(blob_rows), len(inline))
+            stmt = write_queries.put_checkpoint(self.dialect, len(blob_rows), len(inline))
             yield Stmt(stmt, params, plain=True)
         else:
             if item_rows:
-                yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
+                yield Stmt(write_queries.insert_items(self.dialect), item_rows, plain=True)
             if blob_rows:
-                yield Stmt(queries.insert_blobs(self.dialect, 1), blob_rows, plain=True)
-            yield Stmt(queries.put_checkpoint(self.dialect, 0), row, plain=True)
+                yield Stmt(write_queries.insert_blobs(self.dialect, 1), blob_rows, plain=True)
+            yield Stmt(write_queries.put_checkpoint(self.dialect, 0), row, plain=True)
         if rows.lists:
             self.lists.remember(
                 row["thread_id"], row["checkpoint_ns"], row["checkpoint_id"], rows.lists
@@ -241,13 +243,13 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
         task_path: str,
     ) -> tuple[codec.WriteRows, Mode]:
         """The rows of a ``put_writes`` and how to run them: one statement on PostgreSQL (up to
-        ``queries.PUT_INLINE_ITEMS`` items), one per table on SQLite."""
+        ``write_queries.PUT_INLINE_ITEMS`` items), one per table on SQLite."""
         rows, item_rows = codec.write_rows(
             self.serde, config, writes_, task_id, task_path, self.lists
         )
         upsert = all(channel in WRITES_IDX_MAP for channel, _ in writes_)
         if self.dialect == "postgresql":
-            many = len(item_rows) > queries.PUT_INLINE_ITEMS
+            many = len(item_rows) > write_queries.PUT_INLINE_ITEMS
         else:
             many = len(rows) > 1 or bool(item_rows)
         return codec.WriteRows(rows, item_rows, upsert), "write" if many else "single"
@@ -271,12 +273,12 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
             return
         item_rows = rows.item_rows
         inline = item_rows if self.dialect == "postgresql" else []
-        if len(inline) > queries.PUT_INLINE_ITEMS:
+        if len(inline) > write_queries.PUT_INLINE_ITEMS:
             inline = []
         if item_rows and not inline:
-            yield Stmt(queries.insert_items(self.dialect), item_rows, plain=True)
-        stmt = queries.insert_writes(self.dialect, len(rows.rows), rows.upsert, len(inline))
-        params = queries.row_params(self.dialect, rows.rows)
+            yield Stmt(write_queries.insert_items(self.dialect), item_rows, plain=True)
+        stmt = write_queries.insert_writes(self.dialect, len(rows.rows), rows.upsert, len(inline))
+        params = write_queries.row_params(self.dialect, rows.rows)
         if inline:
-            params = {**params, **queries.item_params(inline)}
+            params = {**params, **write_queries.item_params(inline)}
         yield Stmt(stmt, params, plain=True)

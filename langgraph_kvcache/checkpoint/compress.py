@@ -70,4 +70,5 @@ def unpack(stored_type: str, data: bytes) -> tuple[str, bytes]:
     if not stored_type.startswith(PREFIX):
         return stored_type, data
     d = zlib.decompressobj(-15, zdict=ZDICT_V1)
-    return stored_type[len(PREFIX) :], d.decompress(data) + d.flush()
+    out = d.decompress(data)
+    return stored_type[len(PREFIX) :], out if d.eof else out + d.flush()

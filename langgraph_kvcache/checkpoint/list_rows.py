@@ -25,6 +25,13 @@ versions (anchors every 10)."""
 ITEM_CACHE_BYTES = 64 * 2**20
 """Default bound of the serialized item bytes a saver remembers (by digest)."""
 
+PREFIX_CACHE_BYTES = 32 * 2**20
+"""Default bound of the joined item bytes of list prefixes a saver remembers
+(:class:`_PrefixLRU`)."""
+
+MIN_PREFIX_ITEMS = 16
+"""Prefixes of fewer items are joined on every use, not remembered."""
+
 CHAIN_CACHE_ENTRIES = 2048
 """Checkpoints whose list versions a saver remembers (to write deltas against them)."""
 
@@ -78,6 +85,16 @@ def split_digests(data: bytes) -> list[bytes]:
     return [data[i : i + DIGEST_SIZE] for i in range(0, len(data), DIGEST_SIZE)]
 
 
+def in_packed(packed: bytes, digest: bytes) -> bool:
+    """Whether ``digest`` is one of the digests packed in ``packed`` (at a digest boundary)."""
+    at = packed.find(digest)
+    while at >= 0:
+        if at % DIGEST_SIZE == 0:
+            return True
+        at = packed.find(digest, at + 1)
+    return False
+
+
 def is_item_list(value: Any) -> bool:
     """Whether ``value`` is stored as items: exactly a ``list`` (not a subclass, not a tuple)."""
     return type(value) is list
@@ -122,3 +139,80 @@ class _ByteLRU:
                 gone, old = self._data.popitem(last=False)
                 self._msgpack.pop(gone, None)
                 self._size -= len(old[1]) + 64
+
+
+class _PrefixLRU:
+    """The items of list versions' leading parts (their anchor's or snapshot's items) joined,
+    so a read or an append of a version joins only the items after that part.
+
+    An entry is the packed digests it was built from and the msgpack bytes of those items
+    joined (no array header), under (thread, namespace, channel, version). :meth:`get` returns
+    it only when its digests are a prefix of the digests asked for, so an entry never stands
+    for other items (item bytes are content-addressed, so an entry never goes stale).
+    Thread-safe; least recently used entries go first past ``max_bytes``.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[tuple[str, str, str, str], tuple[bytes, bytes]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str, str, str], digests: bytes) -> tuple[int, bytes] | None:
+        """(bytes of ``digests`` covered, joined item bytes) of the entry ``key`` when its digests
+        start ``digests``; else None."""
+        entry = self._data.get(key)
+        if entry is None or not digests.startswith(entry[0]):
+            return None
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+        return len(entry[0]), entry[1]
+
+    def put(self, key: tuple[str, str, str, str], digests: bytes, joined: bytes) -> None:
+        size = len(digests) + len(joined) + 64
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._size -= len(old[0]) + len(old[1]) + 64
+            self._data[key] = (digests, joined)
+            self._size += size
+            while self._size > self.max_bytes:
+                _, (d, j) = self._data.popitem(last=False)
+                self._size -= len(d) + len(j) + 64
+
+
+def joined_items(
+    items: _ByteLRU, prefixes: _PrefixLRU, scope: tuple[str, str, str], state: ListVersion
+) -> list[bytes] | None:
+    """The msgpack bytes of the items of list version ``state`` of ``scope`` (thread,
+    namespace, channel), in parts whose concatenation is those bytes joined (no array
+    header); None when some item is not remembered as msgpack in ``items``.
+
+    The items of its anchor (or snapshot) come joined from ``prefixes`` (joined and remembered
+    there on a miss), so reading or extending a version joins only the items after its
+    anchor (a leaf is fewer than ``anchor_every`` versions past it)."""
+    digests = state.digests
+    start, parts = 0, []
+    for version, _ in (state.anchor, state.root):
+        hit = prefixes.get((*scope, version), digests)
+        if hit is not None:
+            start, parts = hit[0], [hit[1]]
+            break
+    else:
+        version, n = state.anchor
+        if n >= MIN_PREFIX_ITEMS and n * DIGEST_SIZE <= len(digests):
+            lead = digests[: n * DIGEST_SIZE]
+            joined = items.msgpack_bytes(split_digests(lead))
+            if joined is None:
+                return None
+            prefixes.put((*scope, version), lead, joined)
+            start, parts = len(lead), [joined]
+    if start < len(digests):
+        tail = items.msgpack_bytes(split_digests(digests[start:]))
+        if tail is None:
+            return None
+        parts.append(tail)
+    return parts

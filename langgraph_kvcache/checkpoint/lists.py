@@ -51,11 +51,15 @@ from langgraph_kvcache.checkpoint.list_rows import (
     DIGEST_SIZE,
     ITEM_CACHE_BYTES,
     ITEMS_TYPE,
+    PREFIX_CACHE_BYTES,
     ListVersion,
     MissingItems,
     PlannedList,
     StoredBlob,
     _ByteLRU,
+    _PrefixLRU,
+    in_packed,
+    joined_items,
     msgpack_array_header,
     split_digests,
 )
@@ -91,6 +95,8 @@ class ListState:
         snapshot; the others (leaves) those since the last anchor, so reads follow at most two
         links."""
         self.items = _ByteLRU(item_cache_bytes)
+        self.prefixes = _PrefixLRU(PREFIX_CACHE_BYTES)
+        """The remembered items of recent anchors and snapshots joined (:func:`joined_items`)."""
         encrypted = isinstance(serde, EncryptedSerializer)
         self._digest_serde: SerializerProtocol = serde.serde if encrypted else serde
         self._digest_key = os.urandom(16) if encrypted else b""
@@ -174,25 +180,31 @@ class ListState:
         ``base``'s items and the chain is shorter than ``snapshot_every``, a delta: an anchor
         (extending the snapshot) every ``anchor_every`` versions, else a leaf (extending the
         last anchor); otherwise a snapshot."""
-        base_digests = split_digests(base.digests) if base is not None else []
-        plain, same = self._serialize(value, base_digests)
-        digests: list[bytes] = base_digests[:same]
-        prefix = base is not None and len(base_digests) <= len(plain)
+        base_packed = base.digests if base is not None else b""
+        k = len(base_packed) // DIGEST_SIZE
+        parts = None
+        if base is not None and k <= len(value) and not self._encrypted:
+            parts = joined_items(self.items, self.prefixes, (thread_id, ns, channel), base)
+        plain, same = self._serialize(value, parts, k)
+        # Only when the whole-list check failed are the base's items compared one by one.
+        base_digests = split_digests(base_packed) if same < k else []
+        new: list[bytes] = []  # the digests of items ``same`` onwards
+        prefix = base is not None and k <= len(plain)
         for i in range(same, len(plain)):
             typed = plain[i]
-            if prefix and i < len(base_digests):
+            if prefix and i < k:
                 known = None if self._encrypted else self.items.get(base_digests[i])
                 if known == typed:
-                    digests.append(base_digests[i])
+                    new.append(base_digests[i])
                     continue
                 digest = self._digest(typed)
                 if digest != base_digests[i]:
                     prefix = False
-                digests.append(digest)
+                new.append(digest)
             else:
-                digests.append(self._digest(typed))
-        packed = b"".join(digests)
-        n = len(digests)
+                new.append(self._digest(typed))
+        packed = base_packed[: same * DIGEST_SIZE] + b"".join(new)
+        n = same + len(new)
         count = base.count + 1 if base is not None and prefix else 0
         if count >= self.snapshot_every:
             count = 0
@@ -207,12 +219,12 @@ class ListState:
             assert base is not None
             start, base_version = base.anchor[1], base.anchor[0]
             state = ListVersion(version, packed, count, base.root, base.anchor)
-        known_stored = stored.union(base_digests)  # the base is stored, so are its items
         item_rows = []
         seen: set[bytes] = set()
-        for i in range(start, n):
-            digest = digests[i]
-            if digest in known_stored or digest in seen:
+        # Items before ``same`` are the base's, stored with it, as is any item the base has.
+        for i in range(max(start, same), n):
+            digest = new[i - same]
+            if digest in stored or digest in seen or in_packed(base_packed, digest):
                 continue
             seen.add(digest)
             item_rows.append(self._item_row(thread_id, ns, digest, plain[i], value[i]))
@@ -228,33 +240,33 @@ class ListState:
         }
         return PlannedList(blob_row, item_rows, state)
 
-    def _serialize(self, value: list[Any], base_digests: list[bytes]) -> tuple[list[Any], int]:
+    def _serialize(
+        self, value: list[Any], base_parts: list[bytes] | None, k: int
+    ) -> tuple[list[Any], int]:
         """``value``'s items serialized (plaintext serde), and how many leading ones are known to
-        be the base's items (``base_digests``), byte for byte; those leading entries are None
-        (the base stores them, so no row needs their bytes).
+        be the base's ``k`` items, byte for byte; those leading entries are None (the base
+        stores them, so no row needs their bytes). ``base_parts``: the base's items' bytes
+        joined, in parts (:func:`joined_items`), or None when not all remembered.
 
         An append is recognised with one serialization of the whole list, as a plain saver does:
         when it is the msgpack array header, the base's items' remembered bytes and the new
         items' own serializations, the first items are the base's (msgpack is prefix-free, so
         the boundaries are the same). Otherwise every item is serialized on its own."""
-        k = len(base_digests)
-        if k and len(value) >= k and not self._encrypted:
-            prefix = self.items.msgpack_bytes(base_digests)
-            if prefix is not None:
-                kind, whole = self._digest_serde.dumps_typed(value)
-                head = msgpack_array_header(len(value))
-                if (
-                    kind == "msgpack"
-                    and whole.startswith(head)
-                    and whole.startswith(prefix, len(head))
-                ):
-                    new = [self._digest_serde.dumps_typed(item) for item in value[k:]]
-                    tail = b"".join([t[1] for t in new])
-                    if (
-                        all(t[0] == "msgpack" for t in new)
-                        and whole[len(head) + len(prefix) :] == tail
-                    ):
-                        return [*([None] * k), *new], k
+        if k and base_parts is not None and len(value) >= k and not self._encrypted:
+            kind, whole = self._digest_serde.dumps_typed(value)
+            head = msgpack_array_header(len(value))
+            at = len(head)
+            same = kind == "msgpack" and whole.startswith(head)
+            for part in base_parts if same else ():
+                if not whole.startswith(part, at):
+                    same = False
+                    break
+                at += len(part)
+            if same:
+                new = [self._digest_serde.dumps_typed(item) for item in value[k:]]
+                tail = b"".join([t[1] for t in new])
+                if all(t[0] == "msgpack" for t in new) and whole[at:] == tail:
+                    return [*([None] * k), *new], k
         return [self._digest_serde.dumps_typed(item) for item in value], 0
 
     def _item_row(
@@ -279,7 +291,7 @@ class ListState:
         """``value``'s item digests (packed) and the rows of all its items, for a pending write
         stored as references (kept when already stored: the items are content-addressed, so
         the list version that takes them in later shares the rows)."""
-        plain, _ = self._serialize(value, [])
+        plain, _ = self._serialize(value, None, 0)
         digests = [self._digest(typed) for typed in plain]
         rows = {
             d: self._item_row(thread_id, ns, d, t, v)
@@ -326,6 +338,21 @@ class ListState:
         else:
             anchor = (versions[1], totals[-2])
         return ListVersion(version, digests, count, root, anchor)
+
+    def decode_version(
+        self,
+        thread_id: str,
+        ns: str,
+        channel: str,
+        state: ListVersion,
+        items: Mapping[bytes, tuple[str, bytes]],
+    ) -> list[Any]:
+        """The value of the stored list version ``state`` (as :meth:`decode`)."""
+        parts = joined_items(self.items, self.prefixes, (thread_id, ns, channel), state)
+        if parts is None:
+            return self.decode(state.digests, items)
+        header = msgpack_array_header(len(state.digests) // DIGEST_SIZE)
+        return self.serde.loads_typed(("msgpack", b"".join([header, *parts])))
 
     def decode(self, digests: bytes, items: Mapping[bytes, tuple[str, bytes]]) -> list[Any]:
         """The list whose items have ``digests``, from this saver's memory or ``items``.

@@ -13,8 +13,8 @@ from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
 from langgraph.graph import START, MessagesState, StateGraph
 from sqlalchemy import event, func, select, text
 
-from langgraph_kvcache.checkpoint import queries
 from langgraph_kvcache.checkpoint import sync as sync_module
+from langgraph_kvcache.checkpoint import write_queries
 from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
 from langgraph_kvcache.checkpoint.list_rows import ITEMS_TYPE, split_digests
 from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
@@ -266,8 +266,10 @@ async def test_async_saver_lists_and_delta(db_url: str) -> None:
         builder.add_edge(START, "echo")
         graph = builder.compile(checkpointer=saver)
         cfg = {"configurable": {"thread_id": "a"}}
-        # More new items than one PostgreSQL put statement carries (queries.PUT_INLINE_ITEMS).
-        seed = [HumanMessage(f"seed {i}", id=f"s{i}") for i in range(queries.PUT_INLINE_ITEMS + 4)]
+        # More new items than one PostgreSQL put statement carries (write_queries.PUT_INLINE_ITEMS).
+        seed = [
+            HumanMessage(f"seed {i}", id=f"s{i}") for i in range(write_queries.PUT_INLINE_ITEMS + 4)
+        ]
         await graph.ainvoke({"messages": seed}, cfg)
         await graph.aupdate_state(cfg, {"messages": [RemoveMessage(id=m.id) for m in seed]})
         await graph.aupdate_state(cfg, {"messages": [RemoveMessage(id="__remove_all__")]})
