@@ -16,9 +16,7 @@ returns one ``UNION ALL`` of three row kinds, told apart by ``kind``:
 
 SQLite expands ``blob_versions`` with ``json_each``, PostgreSQL with ``jsonb_each_text``. The
 statements for ``get_tuple`` (latest and by id) are built once per dialect and reused, so their
-cache keys and compiled SQL are computed once; they read the one checkpoint and its writes by
-key from their tables (the latest's id from a ``max()`` subquery), and only its
-``blob_versions`` through ``c``: fewer steps for SQLite than joining both through ``c``.
+cache keys and compiled SQL are computed once.
 
 The write statements are in :mod:`.write_queries`.
 """
@@ -84,21 +82,7 @@ def checkpoint_rows(
         )
         if limit is not None:
             wanted = wanted.limit(limit)
-    return _union(dialect, wanted.cte("c"), None, one=one, channels=channels)
-
-
-def _union(
-    dialect: str,
-    c: Any,
-    key: tuple[Any, Any, Any] | None,
-    *,
-    one: bool,
-    channels: list[Any] | None = None,
-) -> Select[Any]:
-    """The union of :func:`checkpoint_rows` over the checkpoints of the CTE ``c``. ``key``:
-    (thread, namespace, checkpoint id) expressions naming the one checkpoint ``c`` holds; the
-    checkpoint and its writes are then read by key from their tables, not through ``c``
-    (fewer steps for SQLite)."""
+    c = wanted.cte("c")
     if dialect == "postgresql":
         each = func.jsonb_each_text(c.c.blob_versions).table_valued("key", "value")
     else:
@@ -119,21 +103,18 @@ def _union(
     w = writes.c
     chain = _blob_chain(refs, distinct=not one)
     text_null = cast(null(), Text)
-    head = c.c if key is None else checkpoints.c
     checkpoint_part = select(
         literal_column(str(KIND_CHECKPOINT), Integer).label("kind"),
-        head.thread_id,
-        head.checkpoint_ns,
-        head.checkpoint_id,
-        head.parent_checkpoint_id.label("a"),
-        cast(head.metadata, Text).label("b"),
-        cast(head.blob_versions, Text).label("c"),
-        head.type,
-        head.checkpoint.label("data"),
+        c.c.thread_id,
+        c.c.checkpoint_ns,
+        c.c.checkpoint_id,
+        c.c.parent_checkpoint_id.label("a"),
+        cast(c.c.metadata, Text).label("b"),
+        cast(c.c.blob_versions, Text).label("c"),
+        c.c.type,
+        c.c.checkpoint.label("data"),
         cast(null(), Integer).label("idx"),
     )
-    if key is not None:
-        checkpoint_part = checkpoint_part.where(*_key_of(checkpoints, key))
     blob_part = select(
         literal_column(str(KIND_BLOB), Integer),
         chain.c.thread_id,
@@ -157,37 +138,16 @@ def _union(
         w.type,
         w.blob,
         w.idx,
+    ).join_from(
+        c,
+        writes,
+        (w.thread_id == c.c.thread_id)
+        & (w.checkpoint_ns == c.c.checkpoint_ns)
+        & (w.checkpoint_id == c.c.checkpoint_id),
     )
-    if key is None:
-        write_part = write_part.join_from(
-            c,
-            writes,
-            (w.thread_id == c.c.thread_id)
-            & (w.checkpoint_ns == c.c.checkpoint_ns)
-            & (w.checkpoint_id == c.c.checkpoint_id),
-        )
-    else:
-        write_part = write_part.where(*_key_of(writes, key))
     if channels is not None:
         write_part = write_part.where(w.channel.in_(channels))
     return union_all(checkpoint_part, blob_part, write_part)  # type: ignore[return-value]
-
-
-def _key_of(table: Any, key: tuple[Any, Any, Any]) -> list[Any]:
-    """``table``'s (thread, namespace, checkpoint id) equal to ``key``'s expressions."""
-    t = table.c
-    return [t.thread_id == key[0], t.checkpoint_ns == key[1], t.checkpoint_id == key[2]]
-
-
-def _one(dialect: str, checkpoint_id: Any) -> Select[Any]:
-    """The union of :func:`checkpoint_rows` for the checkpoint ``checkpoint_id`` (an
-    expression) of (``:thread_id``, ``:checkpoint_ns``)."""
-    ck = checkpoints.c
-    key = (bindparam("thread_id"), bindparam("checkpoint_ns"), checkpoint_id)
-    wanted = select(ck.thread_id, ck.checkpoint_ns, ck.blob_versions).where(
-        *_key_of(checkpoints, key)
-    )
-    return _union(dialect, wanted.cte("c"), key, one=True)
 
 
 def _blob_chain(refs: Any, *, distinct: bool) -> Any:
@@ -231,20 +191,20 @@ def _blob_chain(refs: Any, *, distinct: bool) -> Any:
 def get_latest(dialect: str) -> Select[Any]:
     """Latest checkpoint of (``:thread_id``, ``:checkpoint_ns``)."""
     ck = checkpoints.c
-    latest = (
-        select(func.max(ck.checkpoint_id))
-        .where(
-            ck.thread_id == bindparam("thread_id"), ck.checkpoint_ns == bindparam("checkpoint_ns")
-        )
-        .scalar_subquery()
-    )
-    return _one(dialect, latest)
+    where = [ck.thread_id == bindparam("thread_id"), ck.checkpoint_ns == bindparam("checkpoint_ns")]
+    return checkpoint_rows(dialect, where, 1, one=True)
 
 
 @cache
 def get_by_id(dialect: str) -> Select[Any]:
     """Checkpoint ``:checkpoint_id`` of (``:thread_id``, ``:checkpoint_ns``)."""
-    return _one(dialect, bindparam("checkpoint_id"))
+    ck = checkpoints.c
+    where = [
+        ck.thread_id == bindparam("thread_id"),
+        ck.checkpoint_ns == bindparam("checkpoint_ns"),
+        ck.checkpoint_id == bindparam("checkpoint_id"),
+    ]
+    return checkpoint_rows(dialect, where, None, one=True)
 
 
 ITEM_BATCHES = (1, 4, 16, 64, 256)
