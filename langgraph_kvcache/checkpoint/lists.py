@@ -348,7 +348,9 @@ class ListState:
         items: Mapping[bytes, tuple[str, bytes]],
     ) -> list[Any]:
         """The value of the stored list version ``state`` (as :meth:`decode`)."""
-        parts = joined_items(self.items, self.prefixes, (thread_id, ns, channel), state)
+        parts = None
+        if not self._encrypted:  # encrypted items are never remembered as msgpack
+            parts = joined_items(self.items, self.prefixes, (thread_id, ns, channel), state)
         if parts is None:
             return self.decode(state.digests, items)
         header = msgpack_array_header(len(state.digests) // DIGEST_SIZE)
