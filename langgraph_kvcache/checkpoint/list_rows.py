@@ -191,25 +191,29 @@ def joined_items(
     namespace, channel), in parts whose concatenation is those bytes joined (no array
     header); None when some item is not remembered as msgpack in ``items``.
 
-    The items of its anchor (or snapshot) come joined from ``prefixes`` (joined and remembered
-    there on a miss), so reading or extending a version joins only the items after its
-    anchor (a leaf is fewer than ``anchor_every`` versions past it)."""
+    The items of its anchor (or snapshot) come joined from ``prefixes``; on a miss they are
+    joined (behind the snapshot's remembered join, when there is one) and remembered, so
+    reading or extending a version joins only the items after its anchor (a leaf is fewer
+    than ``anchor_every`` versions past it)."""
     digests = state.digests
-    start, parts = 0, []
-    for version, _ in (state.anchor, state.root):
-        hit = prefixes.get((*scope, version), digests)
-        if hit is not None:
-            start, parts = hit[0], [hit[1]]
-            break
-    else:
-        version, n = state.anchor
-        if n >= MIN_PREFIX_ITEMS and n * DIGEST_SIZE <= len(digests):
-            lead = digests[: n * DIGEST_SIZE]
-            joined = items.msgpack_bytes(split_digests(lead))
-            if joined is None:
+    anchor, n = state.anchor
+    hit = prefixes.get((*scope, anchor), digests)
+    if hit is None:
+        root = prefixes.get((*scope, state.root[0]), digests) if state.root[0] != anchor else None
+        end = n * DIGEST_SIZE
+        if root is not None and root[0] > end:
+            root = None
+        if n >= MIN_PREFIX_ITEMS and end <= len(digests):
+            lead, parts = (root[0], [root[1]]) if root is not None else (0, [])
+            more = items.msgpack_bytes(split_digests(digests[lead:end]))
+            if more is None:
                 return None
-            prefixes.put((*scope, version), lead, joined)
-            start, parts = len(lead), [joined]
+            joined = b"".join([*parts, more])
+            prefixes.put((*scope, anchor), digests[:end], joined)
+            hit = (end, joined)
+        else:
+            hit = root
+    start, parts = (hit[0], [hit[1]]) if hit is not None else (0, [])
     if start < len(digests):
         tail = items.msgpack_bytes(split_digests(digests[start:]))
         if tail is None:

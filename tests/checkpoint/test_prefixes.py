@@ -81,6 +81,13 @@ def test_joined_items_reuses_the_anchor_and_falls_back_when_not_remembered() -> 
     memory.put(b"j" * DIGEST_SIZE, ("json", b"{}"))
     other = ListVersion("o", leaf.digests + b"j" * DIGEST_SIZE, 3, ("s", 0), ("a", n))
     assert joined_items(memory, cache, KEY[:3], other) is None
+    # A leaf of an anchor not remembered, whose snapshot is: the anchor's join is built on
+    # the snapshot's and remembered.
+    snapshot = ListVersion("s2", b"".join(digests[:n]), 0, ("s2", n), ("s2", n))
+    assert joined_items(memory, cache, KEY[:3], snapshot) == [whole[: 3 * n]]
+    leaf2 = ListVersion("l2", leaf.digests, 2, ("s2", n), ("a2", n + 1))
+    assert b"".join(joined_items(memory, cache, KEY[:3], leaf2) or []) == whole
+    assert cache.get((*KEY[:3], "a2"), leaf.digests) == ((n + 1) * DIGEST_SIZE, whole[: 3 * n + 3])
     short = ListVersion("x", b"".join(digests[:3]), 0, ("x", 3), ("x", 3))
     assert b"".join(joined_items(memory, cache, KEY[:3], short) or []) == whole[:9]
     assert cache.get((*KEY[:3], "x"), short.digests) is None  # too short to remember
