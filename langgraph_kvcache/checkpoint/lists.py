@@ -33,6 +33,7 @@ With ``EncryptedSerializer`` the digests are keyed per saver and computed over t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -221,10 +222,16 @@ class ListState:
             state = ListVersion(version, packed, count, base.root, base.anchor)
         item_rows = []
         seen: set[bytes] = set()
-        # Items before ``same`` are the base's, stored with it, as is any item the base has.
-        for i in range(max(start, same), n):
+        # Items before ``same`` are the base's, stored with it, as is any item the base has
+        # (looked up in its packed digests for a few new items, in a set for many).
+        first = max(start, same)
+        if n - first > 8:
+            in_base = set(base_digests or split_digests(base_packed)).__contains__
+        else:
+            in_base = functools.partial(in_packed, base_packed)
+        for i in range(first, n):
             digest = new[i - same]
-            if digest in stored or digest in seen or in_packed(base_packed, digest):
+            if digest in stored or digest in seen or in_base(digest):
                 continue
             seen.add(digest)
             item_rows.append(self._item_row(thread_id, ns, digest, plain[i], value[i]))
