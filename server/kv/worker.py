@@ -22,18 +22,14 @@ pool holds its share of every slot, its store and Redis tier are its rank's
 (``DiskStore(..., rank=N)``), and its reports carry its ``rank`` (the scheduler side counts
 an event done once every rank reported it: :mod:`server.kv.ranks`).
 
-One I/O thread runs disk jobs: reads first, then writes and removals in FIFO order (a removal
-planned before a write of the same key runs first). A read of a block whose write is still
-queued is served from that write's buffer. Redis reads queued together go in one pipelined
-round trip (up to 64 blocks). Any disk or Redis error is a miss plus a warning, never an
+Disk and Redis jobs run on the I/O thread (:mod:`server.kv.io_thread`): reads first, then
+writes and removals in FIFO order. Any disk or Redis error is a miss plus a warning, never an
 exception to vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,8 +37,8 @@ import torch
 
 from server.kv.codec import BlockCodec
 from server.kv.formats import BlockFormat
-from server.kv.io_queue import JobQueue
-from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
+from server.kv.io_thread import IOThread, Read
+from server.kv.metadata import NO_SLOT, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool, load_block_bytes
@@ -57,17 +53,6 @@ class _AsyncLoad:
     pending: int
     started: float
     failed_blocks: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Read:
-    key: str
-    slot: int
-    buffer: torch.Tensor
-    source: str = "disk"
-    item: LoadItem | None = None
-    req_id: str | None = None
-    error: str | None = None
 
 
 class SessionKVWorker:
@@ -106,12 +91,7 @@ class SessionKVWorker:
         self._finished_loads: set[str] = set()
         self._released: set[str] = set()
         self._load_errors: set[int] = set()
-        self._done: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._jobs = JobQueue()
-        self._pending_writes: dict[str, torch.Tensor] = {}
-        self._pending_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._io_loop, name="lgkv-disk-io", daemon=True)
-        self._thread.start()
+        self.io = IOThread(store, redis)
 
     # ------------------------------------------------------------------ set up
 
@@ -162,13 +142,13 @@ class SessionKVWorker:
                 continue
             self._loads[job.req_id] = _AsyncLoad(job.req_id, len(disk), started)
             for item in disk:
-                self._queue_read(
-                    _Read(
+                self.io.read(
+                    Read(
                         item.key, item.slot, self._buffer(item.slot), item.source, item, job.req_id
                     )
                 )
         for key, slot in plan.reads:
-            self._queue_read(_Read(key, slot, self._buffer(slot)))
+            self.io.read(Read(key, slot, self._buffer(slot)))
 
     def save(self, plan: StepPlan) -> None:
         """Copy the step's completed blocks to RAM; queue file removals and writes."""
@@ -179,28 +159,22 @@ class SessionKVWorker:
             self.stats.observe_save(time.perf_counter() - started, len(plan.saves))
         self._released.update(plan.release)  # their blocks were copied (or not saved at all)
         for key in plan.removes:
-            self._jobs.put(("remove", key))
+            self.io.remove(key)
         if self.pool is not None:
             for item in plan.saves:
                 if not (item.to_disk or item.to_redis):
                     continue
                 data = self.pool.slot(item.slot).clone()
                 if item.to_disk:
-                    with self._pending_lock:
-                        self._pending_writes[item.key] = data
-                    self._jobs.put(("write", (item.key, data)))
+                    self.io.write(item.key, data)
                 if item.to_redis:
-                    self._jobs.put(("redis_write", (item.key, data)))
+                    self.io.redis_write(item.key, data)
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Apply finished disk jobs; return (finished async loads, failed paged block ids)."""
-        while True:
-            try:
-                kind, payload = self._done.get_nowait()
-            except queue.Empty:
-                break
+        for kind, payload in self.io.results():
             if kind == "read":
-                assert isinstance(payload, _Read)
+                assert isinstance(payload, Read)
                 self._finish_read(payload)
             elif kind == "written":
                 key, seconds = payload  # type: ignore[misc]
@@ -236,8 +210,7 @@ class SessionKVWorker:
 
     def shutdown(self) -> None:
         """Finish queued disk jobs and stop the I/O thread."""
-        self._jobs.close()
-        self._thread.join(timeout=30)
+        self.io.close()
 
     # ----------------------------------------------------------------- helpers
 
@@ -247,10 +220,7 @@ class SessionKVWorker:
         size = self.codec.format.block_bytes if self.codec else sum(self.layer_block_bytes)
         return torch.empty(size, dtype=torch.uint8)
 
-    def _queue_read(self, read: _Read) -> None:
-        self._jobs.put_read(("read", read))
-
-    def _finish_read(self, read: _Read) -> None:
+    def _finish_read(self, read: Read) -> None:
         if read.error is None:
             if read.slot != NO_SLOT:
                 self._report.read_ok.append(read.key)
@@ -274,86 +244,3 @@ class SessionKVWorker:
                     self.stats.observe_load(time.perf_counter() - load.started)
         if read.slot != NO_SLOT:
             self._report.released_slots.append(read.slot)
-
-    def _read_redis(self, reads: list[_Read]) -> None:
-        """Read several queued Redis blocks in one round trip (a block whose disk write is
-        still queued is served from the write's buffer, as disk reads are)."""
-        assert self.redis is not None
-        fetch: list[_Read] = []
-        for read in reads:
-            with self._pending_lock:
-                queued = self._pending_writes.get(read.key)
-            if queued is None:
-                fetch.append(read)
-            else:
-                read.buffer.copy_(queued)
-                self._done.put(("read", read))
-        errors = self.redis.read_many_into(
-            [r.key for r in fetch], [memoryview(r.buffer.numpy()) for r in fetch]
-        )
-        for read, error in zip(fetch, errors, strict=True):
-            read.error = error
-            self._done.put(("read", read))
-
-    def _io_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            kind, payload = job
-            try:
-                self._run_job(kind, payload)
-            except Exception:  # never let the thread die
-                log.exception("KV disk job %s failed", kind)
-
-    def _run_job(self, kind: str, payload: object) -> None:
-        store = self.store
-        if kind == "read":
-            assert isinstance(payload, _Read)
-            if payload.source == "redis" and self.redis is not None:
-                self._read_redis([payload, *self._jobs.take_reads(_is_redis_read, 63)])
-                return
-            with self._pending_lock:
-                queued = self._pending_writes.get(payload.key)
-            if queued is not None:  # its write waits behind others: serve the bytes we hold
-                payload.buffer.copy_(queued)
-            elif store is None:
-                payload.error = f"no {payload.source} tier"
-            else:
-                try:
-                    store.read_into(payload.key, memoryview(payload.buffer.numpy()))
-                except OSError as e:
-                    payload.error = str(e)
-            self._done.put(("read", payload))
-        elif kind == "redis_write" and self.redis is not None:
-            key, data = payload  # type: ignore[misc]
-            try:
-                self.redis.write(key, memoryview(data.numpy()))
-                self._done.put(("redis_written", key))
-            except OSError as e:
-                log.debug("KV block %s not written to redis: %s", key[:16], e)
-                self._done.put(("redis_failed", key))
-        elif kind == "write" and store is not None:
-            key, data = payload  # type: ignore[misc]
-            started = time.perf_counter()
-            try:
-                store.write(key, memoryview(data.numpy()))
-                self._done.put(("written", (key, time.perf_counter() - started)))
-            except OSError as e:
-                log.warning("KV block %s not written to disk: %s", key[:16], e)
-                self._done.put(("write_failed", key))
-            finally:
-                with self._pending_lock:
-                    if self._pending_writes.get(key) is data:
-                        del self._pending_writes[key]
-        elif kind == "remove":
-            if store is not None:
-                try:
-                    store.remove(payload)  # type: ignore[arg-type]
-                except OSError as e:
-                    log.warning("KV block file %s not removed: %s", payload, e)
-            self._done.put(("removed", payload))  # confirmed even when it failed
-
-
-def _is_redis_read(payload: object) -> bool:
-    return isinstance(payload, _Read) and payload.source == "redis"
