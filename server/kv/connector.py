@@ -227,7 +227,10 @@ class SessionKVConnector(KVConnectorBase_V1):
         self.worker.start_load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv (RAM) or before the request runs (disk)
+        # RAM loads are copied layer by layer during the forward; disk loads completed before
+        # their request was scheduled (it waited in WAITING_FOR_REMOTE_KVS)
+        assert self.worker is not None
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self,

@@ -23,6 +23,9 @@ class LoadItem:
     key: str
     slot: int
     source: str
+    partial: bool = False
+    """A tail block: the step that loads it computes its later slots, so a synchronous load
+    copies it before the forward, not layer by layer during it."""
 
     @property
     def from_disk(self) -> bool:

@@ -200,7 +200,7 @@ class SessionKVScheduler:
             if tier == "ram":
                 ram = self.index.blocks[key]
                 ram.locks += 1
-                items.append(LoadItem(block_id, key, ram.slot, "ram"))
+                items.append(LoadItem(block_id, key, ram.slot, "ram", kind == "tail"))
                 continue
             slot = NO_SLOT
             state = self.index.blocks.get(key)
@@ -209,7 +209,7 @@ class SessionKVScheduler:
                 state = self.index.blocks.setdefault(key, BlockState(key))
                 state.slot, state.ram_ready = slot, False
                 state.locks += 1
-            items.append(LoadItem(block_id, key, slot, tier))
+            items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
         for slot in promote:  # not needed after all
             self.index.free_slots.append(slot)
         is_async = any(t != "ram" for t in tiers)

@@ -2,7 +2,13 @@
 
 Per step:
 - ``start_load`` (before the forward when the step has synchronous loads): RAM -> paged copies
-  of every load job now; disk reads of async jobs and prefetch reads go to the I/O thread.
+  start on the copy thread, layer by layer (:mod:`server.kv.layer_loads`), and ``wait_layer``
+  (vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads the cache)
+  blocks until that layer is copied, so copying layer i+1 overlaps computing layer i. A tail
+  block of a synchronous load is copied at once, every layer (the step writes its later
+  slots). Disk reads of async jobs and prefetch reads go to the I/O thread.
+- ``finish_loads`` (first thing in ``save`` and ``collect``): waits for the copy thread's last
+  layer, frees the loads' RAM slots and turns a failed copy into load errors.
 - ``save`` (after the forward, from ``wait_for_save``): paged -> RAM slot copies of the blocks
   the step completed and of finished requests' tail blocks, then the step's file removals and
   writes go to the I/O thread (a write takes a private copy of the slot, so the slot can be
@@ -29,6 +35,7 @@ exception to vLLM.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,7 +45,8 @@ import torch
 from server.kv.codec import BlockCodec
 from server.kv.formats import BlockFormat
 from server.kv.io_thread import IOThread, Read
-from server.kv.metadata import NO_SLOT, StepPlan, WorkerReport
+from server.kv.layer_loads import LayerLoads
+from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool, load_block_bytes
@@ -56,11 +64,18 @@ class _AsyncLoad:
 
 
 class SessionKVWorker:
-    """Holds the RAM pool, the views of vLLM's KV cache and the disk I/O thread.
+    """Holds the RAM pool, the views of vLLM's KV cache, the copy thread and the I/O thread.
 
     ``block_format`` is the stored format of every tier (``None``: ``auto``, the engine's
     dtype); blocks are encoded when they leave the paged cache and decoded when they return.
     """
+
+    layer_wise = True
+    """Copy RAM loads layer by layer on the copy thread when the paged cache is in CPU memory
+    (with CUDA every load is copied in ``start_load``); ``False`` copies every layer in
+    ``start_load`` (``benchmarks/layer_loads.py`` compares the two)."""
+    copy_threads: int | None = 1
+    """torch intra-op threads of the copy thread (None: torch's process-wide count)."""
 
     def __init__(
         self,
@@ -91,6 +106,8 @@ class SessionKVWorker:
         self._finished_loads: set[str] = set()
         self._released: set[str] = set()
         self._load_errors: set[int] = set()
+        self.layer_loads: LayerLoads | None = None
+        self._layered_jobs = 0
         self.io = IOThread(store, redis)
 
     # ------------------------------------------------------------------ set up
@@ -123,20 +140,31 @@ class SessionKVWorker:
         self.codec = BlockCodec(fmt, [tuple(v.shape[1:]) for v in views])
         if self.num_slots:
             self.pool = RamPool(self.num_slots, self.codec)
+            if self.layer_wise and all(v.device.type == "cpu" for v in views):
+                copy = functools.partial(self.pool.load_layer, self.kv)
+                self.layer_loads = LayerLoads(self.layers, copy, self.copy_threads)
 
     # ------------------------------------------------------------------- steps
 
     def start_load(self, plan: StepPlan) -> None:
-        """Run RAM loads now; queue disk reads of async loads and prefetch reads."""
+        """Start RAM loads (layer by layer on the copy thread, or at once); queue disk reads of
+        async loads and prefetch reads."""
+        self.finish_loads()  # normally done by the previous step's save
+        layered: list[LoadItem] = []
         for job in plan.loads:
             started = time.perf_counter()
             ram = [i for i in job.items if not i.from_disk]
-            if ram and self.pool is not None:
-                self.pool.load(self.kv, [i.slot for i in ram], [i.block_id for i in ram])
-                self._report.released_slots.extend(i.slot for i in ram)
+            # A sync load's tail is copied now: this step's forward writes its later slots.
+            now = [i for i in ram if self.layer_loads is None or (i.partial and not job.is_async)]
+            later = [i for i in ram if i not in now]
+            self._load_now(now)
+            layered += later
             disk = [i for i in job.items if i.from_disk]
             if not disk:
-                self.stats.observe_load(time.perf_counter() - started)
+                if later:
+                    self._layered_jobs += 1  # observed when its last layer is copied
+                else:
+                    self.stats.observe_load(time.perf_counter() - started)
                 if job.is_async:
                     self._finished_loads.add(job.req_id)
                 continue
@@ -149,9 +177,29 @@ class SessionKVWorker:
                 )
         for key, slot in plan.reads:
             self.io.read(Read(key, slot, self._buffer(slot)))
+        if layered and self.layer_loads is not None:
+            self.layer_loads.start([i.slot for i in layered], [i.block_id for i in layered])
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's loads of layer ``layer_name`` are in the paged cache."""
+        if self.layer_loads is not None:
+            self.layer_loads.wait_layer(layer_name)
+
+    def finish_loads(self) -> None:
+        """Wait for the step's layer-wise loads; free their slots, record their failures."""
+        done = self.layer_loads.finish() if self.layer_loads is not None else None
+        if done is None:
+            return
+        slots, failed, seconds = done
+        self._report.released_slots.extend(slots)
+        self._load_errors.update(failed)
+        for _ in range(self._layered_jobs):
+            self.stats.observe_load(seconds)
+        self._layered_jobs = 0
 
     def save(self, plan: StepPlan) -> None:
         """Copy the step's completed blocks to RAM; queue file removals and writes."""
+        self.finish_loads()
         if plan.saves and self.pool is not None:
             started = time.perf_counter()
             self.pool.save(self.kv, [s.block_id for s in plan.saves], [s.slot for s in plan.saves])
@@ -172,6 +220,7 @@ class SessionKVWorker:
 
     def collect(self) -> tuple[set[str], set[int]]:
         """Apply finished disk jobs; return (finished async loads, failed paged block ids)."""
+        self.finish_loads()
         for kind, payload in self.io.results():
             if kind == "read":
                 assert isinstance(payload, Read)
@@ -209,10 +258,23 @@ class SessionKVWorker:
         return stats if self.rank == 0 else None
 
     def shutdown(self) -> None:
-        """Finish queued disk jobs and stop the I/O thread."""
+        """Finish queued disk jobs and stop the copy and I/O threads."""
+        if self.layer_loads is not None:
+            self.layer_loads.close()
         self.io.close()
 
     # ----------------------------------------------------------------- helpers
+
+    def _load_now(self, items: list[LoadItem]) -> None:
+        """Copy RAM items into the paged cache now, every layer (a failure is a miss)."""
+        if not items or self.pool is None:
+            return
+        try:
+            self.pool.load(self.kv, [i.slot for i in items], [i.block_id for i in items])
+        except Exception as e:  # a miss, never an exception in vLLM's step
+            log.warning("KV load of %d RAM blocks failed, they are recomputed: %s", len(items), e)
+            self._load_errors.update(i.block_id for i in items)
+        self._report.released_slots.extend(i.slot for i in items)
 
     def _buffer(self, slot: int) -> torch.Tensor:
         if slot != NO_SLOT and self.pool is not None:

@@ -63,21 +63,29 @@ class RamPool:
         return None
 
     def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
-        """Decode slots into paged blocks."""
-        if kv and kv[0].device.type != "cpu":
-            return self._load_batched(kv, slots, block_ids)
+        """Decode slots into paged blocks, every layer."""
+        for i in range(len(kv)):
+            self.load_layer(kv, i, slots, block_ids)
+
+    def load_layer(
+        self, kv: list[torch.Tensor], i: int, slots: list[int], block_ids: list[int]
+    ) -> None:
+        """Decode layer ``i`` of slots into paged blocks (the worker's copy thread loads a
+        step's blocks one layer at a time)."""
+        layer = kv[i]
+        if layer.device.type != "cpu":
+            return self._load_layer_batched(layer, i, slots, block_ids)
         pairs = list(zip(slots, block_ids, strict=True))
-        for i, layer in enumerate(kv):
-            if self.codec.format.exact:
-                for slot, block in pairs:
-                    layer[block].copy_(self._slot_values(i, slot, layer))
-                continue
-            pool_scales = self.scales[i]
-            data = torch.stack([self.data[i][s] for s in slots])
-            scales = None if pool_scales is None else torch.stack([pool_scales[s] for s in slots])
-            blocks = self.codec.decode(i, data, scales)
-            for j, (_, block) in enumerate(pairs):
-                layer[block].copy_(blocks[j])
+        if self.codec.format.exact:
+            for slot, block in pairs:
+                layer[block].copy_(self._slot_values(i, slot, layer))
+            return None
+        pool_scales = self.scales[i]
+        data = torch.stack([self.data[i][s] for s in slots])
+        scales = None if pool_scales is None else torch.stack([pool_scales[s] for s in slots])
+        blocks = self.codec.decode(i, data, scales)
+        for j, (_, block) in enumerate(pairs):
+            layer[block].copy_(blocks[j])
         return None
 
     def _slot_values(self, layer: int, slot: int, like: torch.Tensor) -> torch.Tensor:
@@ -97,14 +105,15 @@ class RamPool:
             if pool_scales is not None and scales is not None:
                 pool_scales[dst] = scales.to(self.buffer.device)
 
-    def _load_batched(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
+    def _load_layer_batched(
+        self, layer: torch.Tensor, i: int, slots: list[int], block_ids: list[int]
+    ) -> None:
+        dev = layer.device
         src = torch.tensor(slots, dtype=torch.long)
-        dst = torch.tensor(block_ids, dtype=torch.long)
-        for i, layer in enumerate(kv):
-            dev = layer.device
-            pool_scales = self.scales[i]
-            scales = pool_scales[src].to(dev) if pool_scales is not None else None
-            layer[dst.to(dev)] = self.codec.decode(i, self.data[i][src].to(dev), scales)
+        dst = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        pool_scales = self.scales[i]
+        scales = pool_scales[src].to(dev) if pool_scales is not None else None
+        layer[dst] = self.codec.decode(i, self.data[i][src].to(dev), scales)
 
     def load_bytes(self, kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
         """Decode one block held in a plain byte tensor (slot layout) into a paged block."""

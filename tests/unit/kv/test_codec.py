@@ -244,7 +244,7 @@ def test_worker_ram_and_disk_round_trip(tmp_path: Path, name: str) -> None:
     ram = LoadJob("r", (LoadItem(8, KEYS[0], 0, "ram"),), False)
     disk = LoadJob("d", (LoadItem(9, KEYS[1], NO_SLOT, "disk"),), True)
     worker.start_load(StepPlan(loads=[ram, disk]))
-    assert drain(worker) == ({"d"}, set())  # the RAM load ran before start_load returned
+    assert drain(worker) == ({"d"}, set())  # collect waits for the RAM load's last layer
     for n in LAYERS:
         assert torch.equal(kv[n][8], expected[n][0])  # RAM: decoded exactly as the codec says
         assert torch.equal(kv[n][9], expected[n][1])  # disk: the same bytes

@@ -56,6 +56,7 @@ def test_save_then_sync_load_from_ram(tmp_path: Path) -> None:
     worker.save(StepPlan(saves=[SaveItem(3, KEYS[0], 1, to_disk=False)]))
     expected = {n: t[3].clone() for n, t in kv.items()}
     worker.start_load(StepPlan(loads=[LoadJob("r", (LoadItem(9, KEYS[0], 1, "ram"),), False)]))
+    worker.finish_loads()  # the step's end (its save) waits for the layer-wise copies
     for n in LAYERS:
         assert torch.equal(kv[n][9], expected[n])
     report = worker.take_report()
@@ -68,6 +69,7 @@ def test_stats_measure_saves_and_loads_on_rank_zero_only(tmp_path: Path, rank: i
     worker = make(tmp_path, caches(), rank=rank)
     worker.save(StepPlan(saves=[SaveItem(b, KEYS[b], b, to_disk=False) for b in (2, 3)]))
     worker.start_load(StepPlan(loads=[LoadJob("r", (LoadItem(9, KEYS[2], 2, "ram"),), False)]))
+    worker.finish_loads()
     stats = worker.take_stats()
     worker.shutdown()
     if rank:
