@@ -15,7 +15,20 @@ import asyncio
 import time
 from typing import Any
 
-__all__ = ["PrefixCacheBusy", "reset_prefix_cache", "reset_prefix_cache_async"]
+__all__ = ["PrefixCacheBusy", "reset_prefix_cache", "reset_prefix_cache_async", "transfer_config"]
+
+
+def transfer_config(extra: dict[str, Any]) -> Any:
+    """vLLM's ``KVTransferConfig`` selecting the session connector, with ``extra`` as its
+    ``kv_connector_extra_config`` (keys: docs/configuration.md)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="SessionKVConnector",
+        kv_connector_module_path="server.kv.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
 
 
 class PrefixCacheBusy(RuntimeError):
