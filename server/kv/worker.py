@@ -8,7 +8,10 @@ Per step:
   block of a synchronous load is copied at once, every layer (the step writes its later
   slots). Disk reads of async jobs and prefetch reads go to the I/O thread.
 - ``finish_loads`` (first thing in ``save`` and ``collect``): waits for the copy thread's last
-  layer, frees the loads' RAM slots and turns a failed copy into load errors.
+  layer, frees the loads' RAM slots and turns a failed copy into load errors. On CPU the copy
+  thread shares the cores with the forward, so it hides up to about half the copy time
+  (figures: docs/architecture.md, "Loads overlap compute"); with the cache on CUDA every RAM
+  load is copied in ``start_load``, all layers, as no copy stream is built.
 - ``save`` (after the forward, from ``wait_for_save``): paged -> RAM slot copies of the blocks
   the step completed and of finished requests' tail blocks, then the step's file removals and
   writes go to the I/O thread (a write takes a private copy of the slot, so the slot can be
@@ -73,7 +76,8 @@ class SessionKVWorker:
     layer_wise = True
     """Copy RAM loads layer by layer on the copy thread when the paged cache is in CPU memory
     (with CUDA every load is copied in ``start_load``); ``False`` copies every layer in
-    ``start_load`` (``benchmarks/layer_loads.py`` compares the two)."""
+    ``start_load`` (``benchmarks/layer_loads.py`` compares the two by swapping
+    ``layer_loads``)."""
     copy_threads: int | None = 1
     """torch intra-op threads of the copy thread (None: torch's process-wide count)."""
 
