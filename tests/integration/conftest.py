@@ -9,7 +9,7 @@ Fixtures (session-scoped: one server per test session, shared by every folder be
   ``.log_tail()``.
 * ``server_url`` -> ``str``: ``lgkv_server.base_url``.
 * ``start_server`` -> a factory for other configurations (``--no-kv-offload``, ``--api-key``,
-  SmolLM2...); servers it starts stop at the end of the session. Start few: each is a vLLM
+  SmolLM2...); servers it starts stop at the end of the test module. Start few: each is a vLLM
   engine (about 15 s and a few hundred MiB).
 
 ``ServerProcess.restart()`` is for tests that check persistence; a test that restarts the shared
@@ -169,15 +169,18 @@ def server_model_dir(tiny_model_dir: Path) -> Path:
     return tiny_model_dir
 
 
-@pytest.fixture(scope="session")
-def start_server(
-    tmp_path_factory: pytest.TempPathFactory, server_model_dir: Path
-) -> Iterator[ServerFactory]:
-    """``start_server(*args, model_dir=None, model=None, api_key=None, env=None, cache_dir=None)``
-    starts a server (tiny model and :data:`TEST_ENGINE_ARGS` by default) and returns it."""
-    started: list[ServerProcess] = []
+class ServerStarter:
+    """Starts servers (tiny model and :data:`TEST_ENGINE_ARGS` by default) and stops them all
+    at once in :meth:`stop_all`. Call it as ``start(*args, model_dir=None, model=None,
+    api_key=None, env=None, cache_dir=None, engine_args=TEST_ENGINE_ARGS)``."""
 
-    def start(
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> None:
+        self._tmp = tmp_path_factory
+        self._model_dir = model_dir
+        self._started: list[ServerProcess] = []
+
+    def __call__(
+        self,
         *args: str,
         model_dir: Path | None = None,
         model: str | None = None,
@@ -186,9 +189,9 @@ def start_server(
         cache_dir: Path | None = None,
         engine_args: Sequence[str] = TEST_ENGINE_ARGS,
     ) -> ServerProcess:
-        root = tmp_path_factory.mktemp("server")
+        root = self._tmp.mktemp("server")
         server = ServerProcess(
-            model_dir=model_dir or server_model_dir,
+            model_dir=model_dir or self._model_dir,
             model=model or TINY_MODEL_NAME,
             cache_dir=cache_dir or root / "cache",
             log_path=root / "server.log",
@@ -196,27 +199,50 @@ def start_server(
             api_key=api_key,
             env=dict(env or {}),
         )
-        started.append(server)
+        self._started.append(server)
         server.start()
         return server
 
-    yield start
-    with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
-        list(pool.map(ServerProcess.stop, started))  # all shut down at once, not one by one
+    def stop_all(self) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(self._started))) as pool:
+            list(pool.map(ServerProcess.stop, self._started))  # all at once, not one by one
+        self._started.clear()
 
 
 @pytest.fixture(scope="session")
-def lgkv_server(start_server: ServerFactory) -> ServerProcess:
+def _shared_servers(
+    tmp_path_factory: pytest.TempPathFactory, server_model_dir: Path
+) -> Iterator[ServerStarter]:
+    """Starts the servers shared by the whole test session (below); stops them at its end."""
+    starter = ServerStarter(tmp_path_factory, server_model_dir)
+    yield starter
+    starter.stop_all()
+
+
+@pytest.fixture(scope="module")
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory, server_model_dir: Path
+) -> Iterator[ServerFactory]:
+    """A :class:`ServerStarter` for one test module: its servers stop when the module ends, so
+    a test process holds at most the shared servers and one module's own (each is a vLLM
+    engine of 2 to 3 GB of RAM in three processes)."""
+    starter = ServerStarter(tmp_path_factory, server_model_dir)
+    yield starter
+    starter.stop_all()
+
+
+@pytest.fixture(scope="session")
+def lgkv_server(_shared_servers: ServerStarter) -> ServerProcess:
     """The shared tiny-model server with the session KV connector (see the module doc)."""
-    return start_server()
+    return _shared_servers()
 
 
 @pytest.fixture(scope="session")
-def plain_server(start_server: ServerFactory) -> ServerProcess:
+def plain_server(_shared_servers: ServerStarter) -> ServerProcess:
     """A cache-off server (``--no-kv-offload --no-enable-prefix-caching``: every prompt
     recomputed), shared by the tests that compare answers with plain recompute or check what
     the session API says without the connector."""
-    return start_server("--no-kv-offload", "--no-enable-prefix-caching")
+    return _shared_servers("--no-kv-offload", "--no-enable-prefix-caching")
 
 
 @pytest.fixture(scope="session")
@@ -235,11 +261,13 @@ than 31 tokens short of its whole prefix (128-token blocks would leave up to 127
 
 
 @pytest.fixture(scope="session")
-def smollm2_server(start_server: ServerFactory, smollm2_dir: Path) -> ServerProcess:
+def smollm2_server(_shared_servers: ServerStarter, smollm2_dir: Path) -> ServerProcess:
     """The default model (SmolLM2-135M-Instruct) behind the full server, shared by the tests that
     need a model that follows instructions: tool calls, structured output, agent loops.
 
     Its resident KV cache (128 MiB, about 2,900 SmolLM2 tokens) holds fewer than four agent
     threads' contexts, so interleaved threads hit from the RAM tier, not vLLM's own cache.
     """
-    return start_server(model_dir=smollm2_dir, model=SMOLLM2_NAME, engine_args=SMOLLM2_ENGINE_ARGS)
+    return _shared_servers(
+        model_dir=smollm2_dir, model=SMOLLM2_NAME, engine_args=SMOLLM2_ENGINE_ARGS
+    )
