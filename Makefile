@@ -6,7 +6,8 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-# Test modules run in TEST_WORKERS processes (pytest-xdist, whole modules per worker). The vLLM
+# Test modules run in TEST_WORKERS processes (pytest-xdist; a module, and all the tests of the
+# shared SmolLM2 server, stay in one worker: tests/conftest.py). The vLLM
 # tests compute on one OpenMP thread each (tests/conftest.py), so two workers use both cores of
 # a 2-core machine; TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
@@ -22,7 +23,7 @@ lint:
 test:
 	@v=$(VENV); set -e; \
 	$$v/bin/ruff check langgraph_kvcache server tests benchmarks examples; \
-	$$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo:
 	@v=$(VENV); $$v/bin/python -m examples.demo
