@@ -116,15 +116,3 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     with fresh_pg_database(request.getfixturevalue("pg_admin")) as url:
         yield url
 
-
-# ---------------------------------------------------------------------------- test workers
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests for pytest-xdist's ``--dist loadgroup`` (``make test``): a module's tests run
-    in one worker, and so do all the tests that use the shared SmolLM2 server, so that server
-    (a vLLM engine of 2 to 3 GB) is started once, not once per worker."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        shared = "smollm2_server" in getattr(item, "fixturenames", ())
-        group = "smollm2-server" if shared else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
