@@ -131,12 +131,14 @@ def run_threads(
     *,
     run_id: str,
     max_tokens: int = 16,
+    turn_tokens: dict[int, int] | None = None,
     before_turn: Callable[[int, Run], None] | None = None,
     max_retries: int = 2,
 ) -> Run:
     """Each of ``sessions`` runs ``turns`` turns, all sessions of a turn at once, through
-    ``ChatKVCache`` (greedy, ``max_tokens`` tokens per answer, the OpenAI client's
-    ``max_retries``). ``before_turn(turn, run)`` runs just after a turn's requests are sent."""
+    ``ChatKVCache`` (greedy, ``max_tokens`` tokens per answer, or ``turn_tokens[turn]`` for the
+    turns it names; the OpenAI client's ``max_retries``). ``before_turn(turn, run)`` runs just
+    after a turn's requests are sent."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
     from langgraph_kvcache import ChatKVCache
@@ -162,7 +164,8 @@ def run_threads(
         call = Call(session, turn, started=time.monotonic())
         run.calls[(session, turn)] = call
         try:
-            reply = llm.invoke(messages, session_id=session)
+            tokens = (turn_tokens or {}).get(turn, max_tokens)
+            reply = llm.invoke(messages, session_id=session, max_tokens=tokens)
         except Exception as exc:  # the client gave up: counted, the thread stops here
             call.error = f"{type(exc).__name__}: {exc}"
             with run.ends:
@@ -190,6 +193,12 @@ def run_threads(
                 f.result()
     http.close()
     return run
+
+
+KILL_TURN_TOKENS = 256
+"""Answer length of the kill turn: its requests decode long enough (ignore_eos) that the hook
+sees one running on the victim and kills it mid-answer; with the short answers of the other
+turns a request could start and end between two looks at the replica's metrics."""
 
 
 def running_requests(server_url: str) -> float:
@@ -333,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kill-turn", type=int, default=3, help="1-based turn during which "
                    "replica-a is killed (0: never)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--kill-turn-tokens", type=int, default=KILL_TURN_TOKENS,
+                   help="answer length in the kill turn: long enough that the kill finds "
+                   "requests running on replica-a")  # fmt: skip
     p.add_argument("--model", default=None, help="model folder, or 'tiny' (default SmolLM2)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--ports", type=int, nargs=3, default=None,
@@ -374,13 +386,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else None
             )
             t0 = time.monotonic()
+            long_turn = {args.kill_turn - 1: args.kill_turn_tokens} if args.kill_turn else {}
             run = run_threads(cluster.url, "bench-model", sessions, args.turns, run_id=run_id,
-                              max_tokens=args.max_tokens, before_turn=hook)  # fmt: skip
+                              max_tokens=args.max_tokens, turn_tokens=long_turn,
+                              before_turn=hook)  # fmt: skip
             wall = time.monotonic() - t0
             hits = redis_hit_blocks(survivor.url) - hits0
             retries = cluster.router.metric("vllm_router_retries_total") - retries0
             reference = run_threads(plain.url, "bench-model", sessions, args.turns,
-                                    run_id=run_id, max_tokens=args.max_tokens)  # fmt: skip
+                                    run_id=run_id, max_tokens=args.max_tokens,
+                                    turn_tokens=long_turn)  # fmt: skip
         finally:
             plain.stop()
     print(f"\n{args.threads} threads x {args.turns} turns through vllm-router, kill -9 of "

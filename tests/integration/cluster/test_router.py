@@ -22,7 +22,15 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-from router import Run, kill_when_busy, pick_sessions, redis_hit_blocks, report, run_threads
+from router import (
+    KILL_TURN_TOKENS,
+    Run,
+    kill_when_busy,
+    pick_sessions,
+    redis_hit_blocks,
+    report,
+    run_threads,
+)
 
 from examples.router_process import RouterProcess
 from langgraph_kvcache import KVCacheClient
@@ -119,13 +127,15 @@ def scenario(router: Any, replicas: dict[str, Any], plain_server: Any) -> dict[s
 
     kill_at_turn = kill_when_busy(victim.base_url, kill, "replica-a", KILL_TURN, router)
     t0 = time.monotonic()
+    long_turn = {KILL_TURN: KILL_TURN_TOKENS}  # the kill finds requests mid-answer
     run = run_threads(router.url, model, sessions, TURNS, run_id=run_id, max_tokens=MAX_TOKENS,
-                      before_turn=ask_owners)  # fmt: skip
+                      turn_tokens=long_turn, before_turn=ask_owners)  # fmt: skip
     t1 = time.monotonic()
     hits = redis_hit_blocks(survivor.base_url) - hits0
     retries = router.metric("vllm_router_retries_total") - retries0
     reference = run_threads(plain_server.base_url, plain_server.model, sessions, TURNS,
-                            run_id=run_id, max_tokens=MAX_TOKENS)  # fmt: skip
+                            run_id=run_id, max_tokens=MAX_TOKENS,
+                            turn_tokens=long_turn)  # fmt: skip
     print(
         f"\nthrough the router {t1 - t0:.0f} s, cache-off reference {time.monotonic() - t1:.0f} s"
     )
@@ -165,14 +175,6 @@ def test_a_killed_replicas_threads_move_and_load_their_kv_from_redis(
     assert scenario["hits"] >= 4 * 2  # 4 moved threads, at least 2 blocks each
 
 
-@pytest.mark.xfail(
-    reason="the kill hook (benchmarks/router.py) waits until the replica's metrics show a "
-    "running request; since RAM loads got faster (2026-12-02) the kill-turn requests often end "
-    "before it sees one, so the kill hits nothing in flight (failed on a quiet machine too). "
-    "Open: make the kill deterministic",
-    raises=AssertionError,
-    strict=False,
-)
 def test_requests_in_flight_at_the_kill_are_retried_and_no_answer_is_wrong(
     scenario: dict[str, Any],
 ) -> None:
