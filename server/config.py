@@ -271,6 +271,17 @@ class ServerConfig:
     and name only (arguments free JSON); ``auto`` (vLLM's default): arguments follow the schema
     only for tools sent with ``strict: true``."""
 
+    whole_forced_tokens: bool = setting(
+        True, flag="--no-whole-forced-tokens", env="LGKV_NO_WHOLE_FORCED_TOKENS",
+        parse=parse_bool, switch=True, negated=True,
+        help="let the model spell grammar-forced text (tool names, JSON keys) in any tokens",
+    )  # fmt: skip
+    """Text a grammar forces (a tool's name, a JSON key) is written in the longest allowed
+    tokens, as the tokenizer spells it, so the next call's re-rendered tool call reuses the
+    cached KV (``server/forced_text.py``, a vLLM logits processor for structured-output requests
+    only). ``False``: vLLM's behaviour, the model's argmax among the tokens the grammar allows.
+    Ignored when ``--logits-processors`` is passed through."""
+
     vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")
     """Further vLLM engine/frontend flags, passed through unchanged
     (e.g. ``("--tensor-parallel-size", "2")``)."""

@@ -36,6 +36,9 @@ TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 """ChatML with hermes-style tool calls, for ChatML models whose template has no tools."""
 CONNECTOR_NAME = "SessionKVConnector"
 CONNECTOR_MODULE = "server.kv.connector"
+FORCED_TEXT_PROCESSOR = "server.forced_text:WholeForcedTokens"
+"""The vLLM logits processor of ``--whole-forced-tokens`` (``module:class``; vLLM imports it in
+the engine's worker)."""
 SHUTDOWN_TIMEOUT_S = 30
 """Default ``--shutdown-timeout``: on SIGTERM the engine drains in-flight requests and the
 connector's queued disk writes for at most this long (vLLM's own default, 0, aborts at once
@@ -125,6 +128,8 @@ def vllm_argv(config: ServerConfig) -> list[str]:
         template = tool_template_for(model)
         if template is not None and not _has_flag(config.vllm_args, "--chat-template"):
             argv += ["--chat-template", str(template)]
+    if config.whole_forced_tokens and not _has_flag(config.vllm_args, "--logits-processors"):
+        argv += ["--logits-processors", FORCED_TEXT_PROCESSOR]
     if config.api_keys:
         argv += ["--api-key", *config.api_keys]
     if not _has_flag(config.vllm_args, "--shutdown-timeout"):

@@ -1,13 +1,13 @@
-"""``lgkv_hermes``: vLLM's hermes tool parser, returning each call's arguments as generated.
+"""``lgkv_hermes``: vLLM's hermes tool parser, arguments as generated, calls ended by their JSON.
 
-vLLM's ``hermes`` parser answers a non-streamed call with ``json.dumps(json.loads(arguments))``:
-the keys and values the model wrote, re-spaced. The chat template (``templates/chatml_tools.jinja``)
-puts a call's ``arguments`` string back verbatim, so on the next turn of an agent loop a
-re-spaced call renders to other tokens than the ones generated, and the KV of everything after
-that point is computed again. This parser returns the argument text exactly as generated (it is
-valid JSON: the grammar or the check below makes sure), so the next request renders the tool turn
-to the very tokens whose KV is cached. Streamed calls were already sent as generated (vLLM's
-streaming path slices the same text); now both paths agree.
+Two things decide whether an agent's next call reuses the KV of its previous tool call: the
+text the model generated, and the text the chat template renders from the call on the next
+request. vLLM parses an earlier call's ``arguments`` into a dict before rendering, so the
+template (``templates/chatml_tools.jinja``) writes them back in one spelling, the one SmolLM2
+uses: ``tojson(indent=4)``. This parser returns each call's argument text exactly as generated
+(vLLM's ``hermes`` re-spaces it with ``json.dumps``), so clients see what the model wrote, and
+finds a call's end by parsing its JSON, so an argument that contains ``</tool_call>`` stays
+inside its call.
 
 Importing the module registers the parser (``--tool-call-parser lgkv_hermes``, the server's
 default). vLLM is imported here, so only the server imports this module.
@@ -43,7 +43,7 @@ class VerbatimHermesToolParser(Hermes2ProToolParser):
         if self.tool_call_start_token not in model_output:
             return super().extract_tool_calls(model_output, request)
         calls: list[ToolCall] = []
-        for text, complete in self._extract_tool_call_jsons(model_output):
+        for text, complete in self._calls_json_aware(model_output):
             name = self._extract_tool_name(text)
             args = self._extract_tool_args(text, True) if complete else None
             if not complete or name is None or args is None or not _is_object(text, args):
@@ -55,6 +55,27 @@ class VerbatimHermesToolParser(Hermes2ProToolParser):
         return ExtractedToolCallInformation(
             tools_called=True, tool_calls=calls, content=content or None
         )
+
+    def _calls_json_aware(self, text: str) -> list[tuple[str, bool]]:
+        """``(call JSON, complete)`` per ``<tool_call>`` region, each call's end found by parsing
+        its JSON: an argument string may itself contain ``</tool_call>`` (the grammar allows any
+        string), which vLLM's search for the end token would cut the call at. Regions that do
+        not parse are split vLLM's way."""
+        start_token, end_token = self.tool_call_start_token, self.tool_call_end_token
+        decoder, out, pos = json.JSONDecoder(), [], 0
+        while (start := text.find(start_token, pos)) != -1:
+            begin = start + len(start_token)
+            body = begin + len(text[begin:]) - len(text[begin:].lstrip())
+            try:
+                _, end = decoder.raw_decode(text, body)
+            except ValueError:
+                end = -1
+            after = end + len(text[end:]) - len(text[end:].lstrip()) if end != -1 else -1
+            if after == -1 or not text.startswith(end_token, after):
+                return out + self._extract_tool_call_jsons(text[start:])
+            out.append((text[body:end], True))
+            pos = after + len(end_token)
+        return out
 
 
 def _is_object(call_text: str, args: str) -> bool:

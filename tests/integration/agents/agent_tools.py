@@ -21,6 +21,7 @@ import pytest
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import BaseTool, tool
 from langgraph.prebuilt import create_react_agent
+from pydantic import BaseModel, Field
 
 from langgraph_kvcache import ChatKVCache
 
@@ -44,7 +45,20 @@ def _words(text: str) -> set[str]:
     return set(re.findall(r"[a-z0-9]+", text.lower()))
 
 
-@tool
+MAX_ARGUMENT = 60
+"""Longest title or query a tool accepts (``maxLength`` in its schema, so the grammar closes the
+string): forced to call a tool, SmolLM2 may otherwise copy a whole tool result into a query."""
+
+
+class LookupArgs(BaseModel):
+    title: str = Field(max_length=MAX_ARGUMENT, description="an article title")
+
+
+class SearchArgs(BaseModel):
+    query: str = Field(max_length=MAX_ARGUMENT, description="words to look for")
+
+
+@tool(args_schema=LookupArgs)
 def lookup(title: str) -> str:
     """Return the opening of the encyclopedia article whose title best matches `title`."""
     arts = articles()
@@ -52,7 +66,7 @@ def lookup(title: str) -> str:
     return f"{best}: " + " ".join(arts[best].split()[:45])
 
 
-@tool
+@tool(args_schema=SearchArgs)
 def search(query: str) -> str:
     """Titles of the four encyclopedia articles that share the most words with `query`."""
     arts = articles()

@@ -63,3 +63,17 @@ def test_a_call_that_is_not_json_is_not_a_call(parser: object, text: str) -> Non
 def test_plain_text_is_content(parser: object) -> None:
     out = parser.extract_tool_calls("The atom is small.", _request())  # type: ignore[attr-defined]
     assert not out.tools_called and out.content == "The atom is small."
+
+
+def test_an_argument_that_contains_the_end_tag_stays_in_its_call(parser: object) -> None:
+    """The grammar lets a string argument hold ``</tool_call>``; the call ends where its JSON
+    does (SmolLM2 wrote this under ``tool_choice="required"``)."""
+    text = (
+        '<tool_call>\n{"name": "search", "arguments": {"query": "atomic theory?</tool_call>"}}'
+        "\n</tool_call>"
+    )
+    out = parser.extract_tool_calls(text + SPACED, _request())  # type: ignore[attr-defined]
+    assert [c.function.name for c in out.tool_calls] == ["search", "lookup"]
+    assert json.loads(out.tool_calls[0].function.arguments) == {
+        "query": "atomic theory?</tool_call>"
+    }
