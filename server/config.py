@@ -278,8 +278,8 @@ class ServerConfig:
     )  # fmt: skip
     """Text a grammar forces (a tool's name, a JSON key) is written in the longest allowed
     tokens, as the tokenizer spells it, so the next call's re-rendered tool call reuses the
-    cached KV (``server/forced_text.py``, a vLLM logits processor for structured-output requests
-    only). ``False``: vLLM's behaviour, the model's argmax among the tokens the grammar allows.
+    cached KV (``server/forced_text.py``, a vLLM logits processor for forced tool calls only;
+    ``response_format`` schemas are left alone). ``False``: vLLM's behaviour, the model's argmax among the tokens the grammar allows.
     Ignored when ``--logits-processors`` is passed through."""
 
     vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")

@@ -9,7 +9,8 @@ text on the next call, the tokenizer spells it ``lookup``, and from that token o
 KV of the previous answer does not match: it is computed again.
 
 :class:`WholeForcedTokens` is a vLLM logits processor (``--logits-processors``) that runs after
-the grammar's mask and before sampling, only for requests with structured outputs. In a row
+the grammar's mask and before sampling, only for forced tool calls (requests whose output
+follows vLLM's tool-call structural tag; ``response_format`` schemas are left alone). In a row
 where the grammar leaves few tokens (at most :data:`MAX_ALLOWED`, so the text is forced or a
 choice among a few literals), it takes the token the model would pick, ``t``, and the allowed
 tokens that extend ``t``; when those form one chain (each a prefix of the next: ``l``, ``lo``,
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -70,6 +71,15 @@ def forced_chain(chosen: str, allowed: list[str]) -> list[int] | None:
     return chain[: ok[-1] + 1] if ok else None
 
 
+def _tool_call_grammar(params: Any) -> bool:
+    """Whether a request's output follows a structural tag: vLLM's grammar for a forced (named or
+    ``required``) tool call. ``response_format`` JSON schemas are left alone: that answer is
+    usually a graph's last, not history a next call reuses, and SmolLM2 nudged to whole-word
+    keys there was measured looping inside a string value to the token limit."""
+    so = params.structured_outputs
+    return so is not None and getattr(so, "structural_tag", None) is not None
+
+
 class WholeForcedTokens(LogitsProcessor):
     """Forced text in the longest allowed tokens (see the module doc). Not argmax-invariant:
     it changes greedy choices, so vLLM runs it for greedy requests too."""
@@ -86,7 +96,7 @@ class WholeForcedTokens(LogitsProcessor):
         strings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.vocab = [s if isinstance(s, str) else "" for s in strings]
         self.rows: dict[int, bool] = {}
-        """Batch rows whose request has structured outputs."""
+        """Batch rows whose request is a forced tool call (:func:`_tool_call_grammar`)."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -95,7 +105,7 @@ class WholeForcedTokens(LogitsProcessor):
         process_dict_updates(
             self.rows,
             batch_update,
-            lambda params, _, __: True if params.structured_outputs is not None else None,
+            lambda params, _, __: True if _tool_call_grammar(params) else None,
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -99,3 +99,19 @@ def test_the_server_passes_the_processor_unless_told_not_to(tiny_model_dir: Path
     own = ("--logits-processors", "my.module:Mine")
     theirs = vllm_argv(ServerConfig(model=str(tiny_model_dir), vllm_args=own))
     assert theirs.count("--logits-processors") == 1 and theirs[-1] == "my.module:Mine"
+
+
+def test_only_forced_tool_calls_are_watched() -> None:
+    """A structural tag (vLLM's grammar for a named or ``required`` tool choice) is watched; a
+    ``response_format`` JSON schema and a plain request are not."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    tag = SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag="{}"))
+    schema = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    added = [(0, tag, None, []), (1, schema, None, []), (2, SamplingParams(), None, [])]
+    proc = _processor([], {})
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
+    assert proc.rows == {0: True}
+    proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=[]))
+    assert proc.rows == {}
