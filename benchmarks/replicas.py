@@ -192,11 +192,9 @@ def main() -> None:
             f"{lost['text'] == hit_on_a['text']}"
         )
         session = httpx.get(b.url + "/v1/sessions/thread-lost", timeout=60)
-        print(
-            f"the session after the flush: HTTP {session.status_code} "
-            f"(turns {session.json().get('turns') if session.status_code == 200 else '-'}; "
-            "the flush lost its row, B's turn recorded it anew)"
-        )
+        print(f"the session after the flush: HTTP {session.status_code} "
+              f"(turns {session.json().get('turns') if session.status_code == 200 else '-'}; "
+              "the flush lost its row, B's turn recorded it anew)")
 
 
 if __name__ == "__main__":

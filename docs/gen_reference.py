@@ -22,7 +22,6 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 
-
 def _field_docs() -> dict[str, str]:
     """Attribute docstrings of ServerConfig, read from the source."""
     tree = ast.parse((ROOT / "server" / "config.py").read_text())
@@ -86,10 +85,9 @@ def configuration_page() -> str:
     lines += [
         "",
         "The connector reads its own settings from vLLM's `kv_connector_extra_config`, which",
-        "the server fills from the table above: "
-        + ", ".join(f"`{k}`" for k in connector_keys)
+        "the server fills from the table above: " + ", ".join(f"`{k}`" for k in connector_keys)
         + ". A key missing there takes the default of this table, so the connector behaves",
-        'the same when plain vLLM loads it (see docs/operations.md, "Plain vllm serve").',
+        "the same when plain vLLM loads it (see docs/operations.md, \"Plain vllm serve\").",
         "",
         "The client side reads `LGKV_SERVER_URL` (server root, default",
         "`http://127.0.0.1:8000`) and `LGKV_API_KEY` in `ChatKVCache`.",

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from langgraph_kvcache.client import KVCacheClient as KVCacheClient
     from langgraph_kvcache.sessions import session_id_for as session_id_for
 
-
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

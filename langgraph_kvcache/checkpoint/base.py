@@ -69,8 +69,6 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
     dialect: str
     lists: ListState
     """Append-aware list storage state (:mod:`.lists`)."""
-    lifecycle: LifecycleHooks
-    """Whose lifecycle hooks run (the session keeper with ``kv_server``, else the saver)."""
 
     def _init_lists(self, snapshot_every: int | None) -> None:
         """Set up :attr:`lists`; ``snapshot_every`` as documented on the savers."""
@@ -84,8 +82,7 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
     # -- setup -----------------------------------------------------------------------------
 
     def _op_setup(self) -> Op[int]:
-        """Apply every migration the database lacks, then create the tables the lifecycle hooks
-        need (the KV session tables with ``kv_server``); returns the schema version after."""
+        """Apply every migration the database lacks; returns the schema version after."""
         if self.dialect == "postgresql":
             yield Stmt(select(func.pg_advisory_xact_lock(SETUP_LOCK_KEY)))
         for sql in statements_for(MIGRATIONS[0], self.dialect):
@@ -98,16 +95,9 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
                 f"langgraph-kvcache knows ({len(MIGRATIONS) - 1}); upgrade langgraph-kvcache."
             )
         for version in range(current + 1, len(MIGRATIONS)):
-            migration = MIGRATIONS[version]
-            empty = True
-            for table in migration.only_if_empty:
-                found = yield Stmt(text(f"SELECT 1 FROM {table} LIMIT 1"), fetch=True)
-                empty = empty and not found
-            for sql in statements_for(migration, self.dialect) if empty else ():
+            for sql in statements_for(MIGRATIONS[version], self.dialect):
                 yield Stmt(text(sql))
             yield Stmt(insert(migrations_table).values(v=version))
-        for sql in self.lifecycle._setup_statements(self.dialect):
-            yield Stmt(text(sql))
         return len(MIGRATIONS) - 1
 
     # -- reads -----------------------------------------------------------------------------

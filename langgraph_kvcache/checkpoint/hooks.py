@@ -22,9 +22,6 @@ After-commit hooks, with what the operation touched (the sync ones for ``SQLAlch
 - ``_after_prune``: ``prune`` either strategy (``keep_latest`` keeps the sessions' latest KV).
 - ``_after_delete_for_runs``: the threads that lost checkpoints to ``delete_for_runs``.
 
-Setup hook: ``_setup_statements``, the tables a session-aware saver needs (created by its
-``setup()``, so a plain saver's database has none of them).
-
 Store hooks, called by both savers (sync and async alike) after a write committed; they only
 decide and queue work, never wait for it, so the graph's hot path pays nothing:
 
@@ -51,11 +48,6 @@ T = TypeVar("T")
 
 class LifecycleHooks:
     """No-op lifecycle hooks, called by the savers around each thread-level operation."""
-
-    def _setup_statements(self, dialect: str) -> Sequence[str]:
-        """SQL that ``setup()`` runs after the migrations: the tables the hooks use (idempotent
-        DDL). None for a plain saver."""
-        return ()
 
     def _tx_delete_threads(self, change: Op[T], thread_ids: Sequence[str]) -> Op[T]:
         """The transaction of ``delete_thread`` / ``prune(strategy="delete")``: ``change``

@@ -181,10 +181,6 @@ class SessionKeeper(LifecycleHooks):
         """Run ``steps`` in the background, after the server work queued before (no wait)."""
         raise NotImplementedError
 
-    def _setup_statements(self, dialect: str) -> Sequence[str]:
-        """The session tables' DDL: ``setup()`` creates them when missing (:mod:`.kv_store`)."""
-        return kv_store.create_statements(dialect)
-
     # -- store hooks (run pins; see :mod:`.kv_pins`) ----------------------------------------
 
     def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:

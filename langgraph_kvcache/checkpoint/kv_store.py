@@ -1,9 +1,7 @@
 """The tables that tie threads to KV-cache server sessions, and the SQL operations on them.
 
-Two tables, created by ``setup()`` of a saver with ``kv_server`` (the DDL of the fourth
-migration, ``MIGRATIONS[3]``, run again: ``CREATE ... IF NOT EXISTS``). A plain saver's database
-does not have them: the seventh migration drops them when both are empty (every database set up
-before it got them from the fourth, whatever the saver), and a plain saver never queries them:
+Two tables, created by the last migration in :mod:`.migrations` (so a plain saver has them
+too, empty, and never queries them):
 
 - ``checkpoint_kv_sessions``: one row per (``thread_id``, namespace) a run has touched, with
   the server session id (:func:`~langgraph_kvcache.sessions.session_id_for`) and the last time
@@ -42,19 +40,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from langgraph_kvcache.checkpoint.base import Op, Stmt
-from langgraph_kvcache.checkpoint.migrations import MIGRATIONS, statements_for
 from langgraph_kvcache.checkpoint.schema import checkpoints
 from langgraph_kvcache.sessions import session_id_for
-
-SESSION_TABLES_MIGRATION = 3
-"""The index in ``MIGRATIONS`` of the migration whose statements create both tables (the fourth:
-``CREATE ... IF NOT EXISTS``)."""
-
-
-def create_statements(dialect: str) -> list[str]:
-    """The DDL that creates both tables when missing (run by ``setup()`` with ``kv_server``)."""
-    return statements_for(MIGRATIONS[SESSION_TABLES_MIGRATION], dialect)
-
 
 _metadata = MetaData()
 

@@ -19,9 +19,6 @@ class Migration:
     """What the migration does, for logs and reviews."""
     sql: tuple[str, ...]
     """Statements, with ``{json}`` and ``{bytes}`` standing for the dialect's column types."""
-    only_if_empty: tuple[str, ...] = ()
-    """Tables that must all be empty for ``sql`` to run; when one has a row, the statements are
-    skipped (the migration is recorded as applied either way)."""
 
 
 _TYPES = {
@@ -124,17 +121,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         "channel versions. Rows written before read as they did; this version number keeps "
         "older langgraph-kvcache releases, which cannot read the new rows, off the database",
         (),
-    ),
-    Migration(
-        "the KV session tables (migration 4) belong to savers with kv_server: their setup() "
-        "creates them (kv_store.SESSION_TABLES_MIGRATION). Dropped here when both are empty, so a "
-        "plain saver's database does not carry them",
-        (
-            "DROP TABLE IF EXISTS checkpoint_kv_outbox",
-            "DROP INDEX IF EXISTS checkpoint_kv_sessions_last_used_idx",
-            "DROP TABLE IF EXISTS checkpoint_kv_sessions",
-        ),
-        only_if_empty=("checkpoint_kv_sessions", "checkpoint_kv_outbox"),
     ),
 )
 

@@ -78,3 +78,4 @@ class KeyRing:
             return DEFAULT_TENANT
         token = bearer_token(headers)
         return tenant_of_key(token) if token is not None else "unauthenticated"
+

@@ -33,7 +33,6 @@ _HELP = {
 }
 """Help text per metric family; every sample ``metrics()`` returns belongs to one of these."""
 
-
 def family_of(name: str) -> tuple[str, str]:
     """The Prometheus family and type of a sample name.
 

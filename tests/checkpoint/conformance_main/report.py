@@ -47,7 +47,9 @@ class ProgressCallbacks:
             else:
                 print(f"  ⊘ {capability} (not implemented)")
 
-        def _test_result(capability: str, test_name: str, passed: bool, error: str | None) -> None:
+        def _test_result(
+            capability: str, test_name: str, passed: bool, error: str | None
+        ) -> None:
             print("." if passed else "F", end="", flush=True)
 
         def _cap_end(capability: str) -> None:
@@ -69,7 +71,9 @@ class ProgressCallbacks:
             else:
                 print(f"  ⊘ {capability} (not implemented)")
 
-        def _test_result(capability: str, test_name: str, passed: bool, error: str | None) -> None:
+        def _test_result(
+            capability: str, test_name: str, passed: bool, error: str | None
+        ) -> None:
             icon = "✓" if passed else "✗"
             print(f"    {icon} {test_name}")
             if error:
@@ -170,7 +174,9 @@ class CapabilityReport:
         _section("EXTENDED CAPABILITIES", EXTENDED_CAPABILITIES)
 
         total = sum(1 for r in self.results.values() if r.detected)
-        passed = sum(1 for r in self.results.values() if r.detected and r.passed is True)
+        passed = sum(
+            1 for r in self.results.values() if r.detected and r.passed is True
+        )
         level = self.conformance_level()
         print(f"{'':>2}  Result: {level} ({passed}/{total})")
         print(f"{'':>2}{border}\n")

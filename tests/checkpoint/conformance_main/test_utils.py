@@ -101,7 +101,9 @@ async def put_test_checkpoint(
 
     config = generate_config(tid, checkpoint_ns=checkpoint_ns)
     if parent_config is not None:
-        config["configurable"]["checkpoint_id"] = parent_config["configurable"]["checkpoint_id"]
+        config["configurable"]["checkpoint_id"] = parent_config["configurable"][
+            "checkpoint_id"
+        ]
 
     return await saver.aput(config, cp, md, nv)
 
@@ -145,11 +147,19 @@ def assert_checkpoint_equal(
 ) -> None:
     """Assert two checkpoints are semantically equal."""
     assert actual["v"] == expected["v"], f"v mismatch: {actual['v']} != {expected['v']}"
-    assert actual["id"] == expected["id"], f"id mismatch: {actual['id']} != {expected['id']}"
-    assert actual["channel_versions"] == expected["channel_versions"], "channel_versions mismatch"
-    assert actual["versions_seen"] == expected["versions_seen"], "versions_seen mismatch"
+    assert actual["id"] == expected["id"], (
+        f"id mismatch: {actual['id']} != {expected['id']}"
+    )
+    assert actual["channel_versions"] == expected["channel_versions"], (
+        "channel_versions mismatch"
+    )
+    assert actual["versions_seen"] == expected["versions_seen"], (
+        "versions_seen mismatch"
+    )
     if check_channel_values:
-        assert actual["channel_values"] == expected["channel_values"], "channel_values mismatch"
+        assert actual["channel_values"] == expected["channel_values"], (
+            "channel_values mismatch"
+        )
 
 
 def assert_tuple_equal(

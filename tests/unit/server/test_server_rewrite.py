@@ -48,7 +48,9 @@ def test_client_cannot_pick_its_tenant_or_salt() -> None:
     assert rewrite_body({}, "abcd", salted=True)["cache_salt"] == "lgkv-abcd"
 
 
-@pytest.mark.parametrize("victim_salt", ["lgkv-abcd", "lgkv-abcd|x", "abcd", "", "|", "lgkv-abcd|"])
+@pytest.mark.parametrize(
+    "victim_salt", ["lgkv-abcd", "lgkv-abcd|x", "abcd", "", "|", "lgkv-abcd|"]
+)
 def test_no_client_salt_yields_another_tenants_salt(victim_salt: str) -> None:
     victims = {rewrite_body({}, "abcd", salted=True)["cache_salt"]}
     victims.add(rewrite_body({"cache_salt": "x"}, "abcd", salted=True)["cache_salt"])

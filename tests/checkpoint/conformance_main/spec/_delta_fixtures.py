@@ -64,7 +64,9 @@ async def build_delta_chain(
             }
         }
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
 
         channel_values: dict[str, Any] = {}
         channel_versions: dict[str, int] = {}
@@ -84,12 +86,16 @@ async def build_delta_chain(
             updated_channels=None,
         )
         new_versions = dict(channel_versions)
-        parent_cfg = await saver.aput(config, cp, generate_metadata(step=step), new_versions)
+        parent_cfg = await saver.aput(
+            config, cp, generate_metadata(step=step), new_versions
+        )
         stored.append(parent_cfg)
 
         # Write a pending write for non-snapshot steps so the walk has
         # something to collect.
         if step not in snapshot_set:
-            await saver.aput_writes(parent_cfg, [(channel, write_value_fn(step))], str(uuid4()))
+            await saver.aput_writes(
+                parent_cfg, [(channel, write_value_fn(step))], str(uuid4())
+            )
 
     return stored

@@ -37,7 +37,9 @@ async def _setup_source_thread(
                 ]
             cp = generate_checkpoint(channel_values={"step": i})
             cp["channel_versions"] = {"step": 1}
-            parent_cfg = await saver.aput(config, cp, generate_metadata(step=i), {"step": 1})
+            parent_cfg = await saver.aput(
+                config, cp, generate_metadata(step=i), {"step": 1}
+            )
             stored.append(parent_cfg)
     return stored
 
@@ -123,7 +125,9 @@ async def test_copy_thread_preserves_namespaces(
         results = []
         async for tup in saver.alist(generate_config(dst, checkpoint_ns=ns)):
             results.append(tup)
-        assert len(results) == 1, f"Expected 1 checkpoint in namespace '{ns}', got {len(results)}"
+        assert len(results) == 1, (
+            f"Expected 1 checkpoint in namespace '{ns}', got {len(results)}"
+        )
 
 
 async def test_copy_thread_preserves_writes(saver: BaseCheckpointSaver) -> None:
@@ -139,9 +143,15 @@ async def test_copy_thread_preserves_writes(saver: BaseCheckpointSaver) -> None:
     tup = await saver.aget_tuple(generate_config(dst))
     assert tup is not None
     assert tup.pending_writes is not None
-    assert len(tup.pending_writes) == 1, f"Expected 1 write, got {len(tup.pending_writes)}"
-    assert tup.pending_writes[0][1] == "ch", f"channel mismatch: {tup.pending_writes[0][1]!r}"
-    assert tup.pending_writes[0][2] == "write_val", f"value mismatch: {tup.pending_writes[0][2]!r}"
+    assert len(tup.pending_writes) == 1, (
+        f"Expected 1 write, got {len(tup.pending_writes)}"
+    )
+    assert tup.pending_writes[0][1] == "ch", (
+        f"channel mismatch: {tup.pending_writes[0][1]!r}"
+    )
+    assert tup.pending_writes[0][2] == "write_val", (
+        f"value mismatch: {tup.pending_writes[0][2]!r}"
+    )
 
 
 async def test_copy_thread_preserves_ordering(
@@ -236,5 +246,7 @@ async def run_copy_thread_tests(
             msg = f"{test_fn.__name__}: {e}"
             failures.append(msg)
             if on_test_result:
-                on_test_result("copy_thread", test_fn.__name__, False, traceback.format_exc())
+                on_test_result(
+                    "copy_thread", test_fn.__name__, False, traceback.format_exc()
+                )
     return passed, failed, failures

@@ -28,7 +28,9 @@ async def _put_with_run_id(
     """Put a checkpoint with a run_id in metadata, return stored config."""
     config = generate_config(tid, checkpoint_ns=checkpoint_ns)
     if parent_config:
-        config["configurable"]["checkpoint_id"] = parent_config["configurable"]["checkpoint_id"]
+        config["configurable"]["checkpoint_id"] = parent_config["configurable"][
+            "checkpoint_id"
+        ]
     cp = generate_checkpoint()
     md = generate_metadata(run_id=run_id)
     return await saver.aput(config, cp, md, {})
@@ -212,5 +214,7 @@ async def run_delete_for_runs_tests(
             msg = f"{test_fn.__name__}: {e}"
             failures.append(msg)
             if on_test_result:
-                on_test_result("delete_for_runs", test_fn.__name__, False, traceback.format_exc())
+                on_test_result(
+                    "delete_for_runs", test_fn.__name__, False, traceback.format_exc()
+                )
     return passed, failed, failures

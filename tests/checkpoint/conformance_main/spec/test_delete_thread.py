@@ -26,7 +26,9 @@ async def test_delete_thread_removes_checkpoints(
     for i in range(3):
         config = generate_config(tid)
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         parent_cfg = await saver.aput(config, cp, generate_metadata(step=i), {})
 
@@ -143,5 +145,7 @@ async def run_delete_thread_tests(
             msg = f"{test_fn.__name__}: {e}"
             failures.append(msg)
             if on_test_result:
-                on_test_result("delete_thread", test_fn.__name__, False, traceback.format_exc())
+                on_test_result(
+                    "delete_thread", test_fn.__name__, False, traceback.format_exc()
+                )
     return passed, failed, failures

@@ -88,7 +88,9 @@ async def test_history_multi_channel(
     for step in range(5):
         config = {"configurable": {"thread_id": tid, "checkpoint_ns": ""}}
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cv: dict = {}
         cvs: dict = {}
         if step == 1:
@@ -164,7 +166,9 @@ async def test_history_migration_plain_value_as_seed(
     for step in range(4):
         config = {"configurable": {"thread_id": tid, "checkpoint_ns": ""}}
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cv: dict = {}
         cvs: dict = {}
         # Step 1: plain value (migration case — old checkpoint before delta)
@@ -229,7 +233,9 @@ async def test_history_seed_ancestor_own_writes_are_replayed(
     for step in range(4):
         config = {"configurable": {"thread_id": tid, "checkpoint_ns": ""}}
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cv: dict = {}
         cvs: dict = {}
         if step in values_by_step:
@@ -246,7 +252,9 @@ async def test_history_seed_ancestor_own_writes_are_replayed(
         )
         parent_cfg = await saver.aput(config, cp, generate_metadata(step=step), cvs)
         configs.append(parent_cfg)
-        await saver.aput_writes(parent_cfg, [("ch", writes_by_step[step])], str(uuid4()))
+        await saver.aput_writes(
+            parent_cfg, [("ch", writes_by_step[step])], str(uuid4())
+        )
 
     head = configs[-1]
     result = await saver.aget_delta_channel_history(config=head, channels=["ch"])
@@ -256,7 +264,9 @@ async def test_history_seed_ancestor_own_writes_are_replayed(
         f"Expected nearest plain value [10, 20], got {result['ch']['seed']}"
     )
     values = [w[2] for w in result["ch"]["writes"]]
-    assert values == ["at-seed", "after-seed"], f'Expected ["at-seed", "after-seed"], got {values}'
+    assert values == ["at-seed", "after-seed"], (
+        f'Expected ["at-seed", "after-seed"], got {values}'
+    )
 
 
 ALL_DELTA_CHANNEL_HISTORY_TESTS = [

@@ -36,7 +36,9 @@ async def test_get_tuple_latest_when_no_checkpoint_id(
     for i in range(3):
         config = generate_config(tid)
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         parent_cfg = await saver.aput(config, cp, generate_metadata(step=i), {})
         ids.append(cp["id"])
@@ -45,7 +47,9 @@ async def test_get_tuple_latest_when_no_checkpoint_id(
     tup = await saver.aget_tuple(generate_config(tid))
     assert tup is not None
     assert tup.checkpoint["id"] == ids[-1]
-    assert tup.metadata["step"] == 2, f"Expected latest step=2, got {tup.metadata['step']}"
+    assert tup.metadata["step"] == 2, (
+        f"Expected latest step=2, got {tup.metadata['step']}"
+    )
 
 
 async def test_get_tuple_specific_checkpoint_id(
@@ -160,10 +164,18 @@ async def test_get_tuple_pending_writes(saver: BaseCheckpointSaver) -> None:
     tup = await saver.aget_tuple(stored)
     assert tup is not None
     assert tup.pending_writes is not None
-    assert len(tup.pending_writes) == 1, f"Expected 1 write, got {len(tup.pending_writes)}"
-    assert tup.pending_writes[0][0] == task_id, f"task_id mismatch: {tup.pending_writes[0][0]!r}"
-    assert tup.pending_writes[0][1] == "ch", f"channel mismatch: {tup.pending_writes[0][1]!r}"
-    assert tup.pending_writes[0][2] == "val", f"value mismatch: {tup.pending_writes[0][2]!r}"
+    assert len(tup.pending_writes) == 1, (
+        f"Expected 1 write, got {len(tup.pending_writes)}"
+    )
+    assert tup.pending_writes[0][0] == task_id, (
+        f"task_id mismatch: {tup.pending_writes[0][0]!r}"
+    )
+    assert tup.pending_writes[0][1] == "ch", (
+        f"channel mismatch: {tup.pending_writes[0][1]!r}"
+    )
+    assert tup.pending_writes[0][2] == "val", (
+        f"value mismatch: {tup.pending_writes[0][2]!r}"
+    )
 
 
 async def test_get_tuple_respects_namespace(saver: BaseCheckpointSaver) -> None:
@@ -237,5 +249,7 @@ async def run_get_tuple_tests(
             msg = f"{test_fn.__name__}: {e}"
             failures.append(msg)
             if on_test_result:
-                on_test_result("get_tuple", test_fn.__name__, False, traceback.format_exc())
+                on_test_result(
+                    "get_tuple", test_fn.__name__, False, traceback.format_exc()
+                )
     return passed, failed, failures

@@ -26,7 +26,9 @@ async def _setup_list_data(saver: BaseCheckpointSaver) -> dict:
     for i in range(4):
         config = generate_config(tid)
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         source = "input" if i % 2 == 0 else "loop"
         md = generate_metadata(source=source, step=i)
@@ -120,7 +122,9 @@ async def test_list_metadata_filter_single_key(
     ):
         results.append(tup)
 
-    assert len(results) == 2, f"Expected 2 'input' checkpoints (steps 0,2), got {len(results)}"
+    assert len(results) == 2, (
+        f"Expected 2 'input' checkpoints (steps 0,2), got {len(results)}"
+    )
     for tup in results:
         assert tup.metadata["source"] == "input"
 
@@ -209,7 +213,9 @@ async def test_list_combined_thread_and_filter(
     ):
         results.append(tup)
 
-    assert len(results) == 2, f"Expected 2 'loop' checkpoints (steps 1,3), got {len(results)}"
+    assert len(results) == 2, (
+        f"Expected 2 'loop' checkpoints (steps 1,3), got {len(results)}"
+    )
     for tup in results:
         assert tup.metadata["source"] == "loop"
 
@@ -286,7 +292,9 @@ async def test_list_metadata_filter_multiple_keys(
     ):
         results.append(tup)
 
-    assert len(results) == 1, f"Expected 1 match for source=input+step=2, got {len(results)}"
+    assert len(results) == 1, (
+        f"Expected 1 match for source=input+step=2, got {len(results)}"
+    )
     assert results[0].metadata["source"] == "input"
     assert results[0].metadata["step"] == 2
 

@@ -24,7 +24,9 @@ async def _setup_thread(saver: BaseCheckpointSaver, tid: str, n: int = 3) -> lis
     for i in range(n):
         config = generate_config(tid)
         if parent_cfg:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         parent_cfg = await saver.aput(config, cp, generate_metadata(step=i), {})
         stored.append(parent_cfg)
@@ -81,7 +83,9 @@ async def test_prune_keep_latest_across_namespaces(
     for i in range(3):
         cfg = generate_config(tid, checkpoint_ns="")
         if parent:
-            cfg["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+            cfg["configurable"]["checkpoint_id"] = parent["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         parent = await saver.aput(cfg, cp, generate_metadata(step=i), {})
     root_latest = parent
@@ -91,7 +95,9 @@ async def test_prune_keep_latest_across_namespaces(
     for i in range(2):
         cfg = generate_config(tid, checkpoint_ns="child:1")
         if parent:
-            cfg["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+            cfg["configurable"]["checkpoint_id"] = parent["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         parent = await saver.aput(cfg, cp, generate_metadata(step=i), {})
     child_latest = parent
@@ -124,9 +130,15 @@ async def test_prune_keep_latest_preserves_writes(
     tup = await saver.aget_tuple(generate_config(tid))
     assert tup is not None
     assert tup.pending_writes is not None
-    assert len(tup.pending_writes) == 1, f"Expected 1 write, got {len(tup.pending_writes)}"
-    assert tup.pending_writes[0][1] == "ch", f"channel mismatch: {tup.pending_writes[0][1]!r}"
-    assert tup.pending_writes[0][2] == "val", f"value mismatch: {tup.pending_writes[0][2]!r}"
+    assert len(tup.pending_writes) == 1, (
+        f"Expected 1 write, got {len(tup.pending_writes)}"
+    )
+    assert tup.pending_writes[0][1] == "ch", (
+        f"channel mismatch: {tup.pending_writes[0][1]!r}"
+    )
+    assert tup.pending_writes[0][2] == "val", (
+        f"value mismatch: {tup.pending_writes[0][2]!r}"
+    )
 
 
 async def test_prune_delete_all(saver: BaseCheckpointSaver) -> None:

@@ -80,7 +80,9 @@ async def test_put_preserves_channel_versions(saver: BaseCheckpointSaver) -> Non
     """ChannelVersions round-trip correctly."""
     versions: ChannelVersions = {"a": 1, "b": 2}
     config = generate_config()
-    cp = generate_checkpoint(channel_values={"a": "x", "b": "y"}, channel_versions=versions)
+    cp = generate_checkpoint(
+        channel_values={"a": "x", "b": "y"}, channel_versions=versions
+    )
     md = generate_metadata()
 
     stored = await saver.aput(config, cp, md, versions)
@@ -169,7 +171,9 @@ async def test_put_multiple_checkpoints_same_thread(
     for i in range(3):
         config = generate_config(tid)
         if parent_cfg is not None:
-            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"]["checkpoint_id"]
+            config["configurable"]["checkpoint_id"] = parent_cfg["configurable"][
+                "checkpoint_id"
+            ]
         cp = generate_checkpoint()
         md = generate_metadata(step=i)
         parent_cfg = await saver.aput(config, cp, md, {})
@@ -236,7 +240,9 @@ async def test_put_incremental_channel_update(saver: BaseCheckpointSaver) -> Non
         channel_values={"a": "v1", "b": "v2"},
         channel_versions={"a": 1, "b": 1},
     )
-    stored1 = await saver.aput(config1, cp1, generate_metadata(step=0), {"a": 1, "b": 1})
+    stored1 = await saver.aput(
+        config1, cp1, generate_metadata(step=0), {"a": 1, "b": 1}
+    )
 
     # Checkpoint 2: only 'a' is updated
     config2 = generate_config(tid)
@@ -303,7 +309,9 @@ async def test_put_channel_removed(saver: BaseCheckpointSaver) -> None:
         channel_values={"a": "v1", "b": "v2"},
         channel_versions={"a": 1, "b": 1},
     )
-    stored1 = await saver.aput(config1, cp1, generate_metadata(step=0), {"a": 1, "b": 1})
+    stored1 = await saver.aput(
+        config1, cp1, generate_metadata(step=0), {"a": 1, "b": 1}
+    )
 
     # Checkpoint 2: 'b' dropped from channel_versions
     config2 = generate_config(tid)

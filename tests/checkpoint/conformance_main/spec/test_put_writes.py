@@ -52,14 +52,20 @@ async def test_put_writes_multiple_writes_same_task(
     tup = await saver.aget_tuple(stored)
     assert tup is not None
     assert tup.pending_writes is not None
-    assert len(tup.pending_writes) == 3, f"Expected 3 writes, got {len(tup.pending_writes)}"
+    assert len(tup.pending_writes) == 3, (
+        f"Expected 3 writes, got {len(tup.pending_writes)}"
+    )
     channels = {w[1] for w in tup.pending_writes}
     assert channels == {"ch1", "ch2", "ch3"}, f"Expected exact channels, got {channels}"
     # Verify values per channel
     for expected_ch, expected_val in writes:
-        match = [w for w in tup.pending_writes if w[0] == task_id and w[1] == expected_ch]
+        match = [
+            w for w in tup.pending_writes if w[0] == task_id and w[1] == expected_ch
+        ]
         assert len(match) == 1, f"Expected 1 write for {expected_ch}, got {len(match)}"
-        assert match[0][2] == expected_val, f"Value mismatch for {expected_ch}: {match[0][2]!r}"
+        assert match[0][2] == expected_val, (
+            f"Value mismatch for {expected_ch}: {match[0][2]!r}"
+        )
 
 
 async def test_put_writes_multiple_tasks(saver: BaseCheckpointSaver) -> None:
@@ -76,7 +82,9 @@ async def test_put_writes_multiple_tasks(saver: BaseCheckpointSaver) -> None:
     tup = await saver.aget_tuple(stored)
     assert tup is not None
     assert tup.pending_writes is not None
-    assert len(tup.pending_writes) == 2, f"Expected 2 writes, got {len(tup.pending_writes)}"
+    assert len(tup.pending_writes) == 2, (
+        f"Expected 2 writes, got {len(tup.pending_writes)}"
+    )
     # Verify values per task
     t1_writes = [w for w in tup.pending_writes if w[0] == t1 and w[1] == "ch"]
     t2_writes = [w for w in tup.pending_writes if w[0] == t2 and w[1] == "ch"]
@@ -186,10 +194,16 @@ async def test_put_writes_special_channels(saver: BaseCheckpointSaver) -> None:
     # Verify values
     err_writes = [w for w in tup.pending_writes if w[0] == task_id and w[1] == ERROR]
     assert len(err_writes) == 1, f"Expected 1 ERROR write, got {len(err_writes)}"
-    assert err_writes[0][2] == "something went wrong", f"ERROR value: {err_writes[0][2]!r}"
-    int_writes = [w for w in tup.pending_writes if w[0] == task_id and w[1] == INTERRUPT]
+    assert err_writes[0][2] == "something went wrong", (
+        f"ERROR value: {err_writes[0][2]!r}"
+    )
+    int_writes = [
+        w for w in tup.pending_writes if w[0] == task_id and w[1] == INTERRUPT
+    ]
     assert len(int_writes) == 1, f"Expected 1 INTERRUPT write, got {len(int_writes)}"
-    assert int_writes[0][2] == {"reason": "human_input"}, f"INTERRUPT value: {int_writes[0][2]!r}"
+    assert int_writes[0][2] == {"reason": "human_input"}, (
+        f"INTERRUPT value: {int_writes[0][2]!r}"
+    )
 
 
 async def test_put_writes_across_namespaces(saver: BaseCheckpointSaver) -> None:
@@ -284,5 +298,7 @@ async def run_put_writes_tests(
             msg = f"{test_fn.__name__}: {e}"
             failures.append(msg)
             if on_test_result:
-                on_test_result("put_writes", test_fn.__name__, False, traceback.format_exc())
+                on_test_result(
+                    "put_writes", test_fn.__name__, False, traceback.format_exc()
+                )
     return passed, failed, failures
