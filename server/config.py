@@ -274,12 +274,13 @@ class ServerConfig:
     whole_forced_tokens: bool = setting(
         True, flag="--no-whole-forced-tokens", env="LGKV_NO_WHOLE_FORCED_TOKENS",
         parse=parse_bool, switch=True, negated=True,
-        help="let the model spell grammar-forced text (tool names, JSON keys) in any tokens",
+        help="let the model spell forced tool names in any tokens",
     )  # fmt: skip
-    """Text a grammar forces (a tool's name, a JSON key) is written in the longest allowed
+    """A forced tool call's name (and its closing ``}}``) is written in the longest allowed
     tokens, as the tokenizer spells it, so the next call's re-rendered tool call reuses the
     cached KV (``server/forced_text.py``, a vLLM logits processor for forced tool calls only;
-    ``response_format`` schemas are left alone). ``False``: vLLM's behaviour, the model's argmax among the tokens the grammar allows.
+    ``response_format`` schemas are left alone). ``False``: vLLM's behaviour, the model's argmax
+    among the tokens the grammar allows.
     Ignored when ``--logits-processors`` is passed through."""
 
     vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")

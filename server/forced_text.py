@@ -10,16 +10,16 @@ KV of the previous answer does not match: it is computed again.
 
 :class:`WholeForcedTokens` is a vLLM logits processor (``--logits-processors``) that runs after
 the grammar's mask and before sampling, only for forced tool calls (requests whose output
-follows vLLM's tool-call structural tag; ``response_format`` schemas are left alone). In a row
-where the grammar leaves few tokens (at most :data:`MAX_ALLOWED`, so the text is forced or a
-choice among a few literals), it takes the token the model would pick, ``t``, and the allowed
-tokens that extend ``t``; when those form one chain (each a prefix of the next: ``l``, ``lo``,
-``look``, ``lookup``) that adds the rest of a word (or closing brackets to closing brackets),
-the grammar is spelling it for the model, and the chain's probability goes to its longest
-token: the same text in fewer, longer tokens, which is how BPE spells it (greedy picks it;
-sampling keeps the text's probability). When the extensions branch (``lookup`` and ``locate``
-both allowed after ``lo``) nothing changes, so the model's choice between literals is its own.
-Free text (thousands of tokens allowed) is never touched.
+follows vLLM's tool-call structural tag; ``response_format`` schemas, keys and values are left
+alone), in rows where the grammar leaves at most :data:`MAX_ALLOWED` tokens:
+
+- inside the tool's name (after ``{"name": "``; the names come from the request's structural
+  tag), once the model's choice leaves one name that fits, the allowed tokens that spell more
+  of it give their probability to the tokenizer's next token of that name: the model writes
+  ``lookup`` as the tokenizer does. While several names fit (``lookup`` and ``locate`` after
+  ``lo``) nothing changes: the choice between tools is the model's;
+- a closing brace chosen where ``}}`` is allowed (the end of the arguments and of the call,
+  one token for BPE) gives its probability to the longest chain of closing braces.
 
 The choice depends only on the logits and the grammar, never on what is cached, so greedy
 answers stay identical with the cache on and off. vLLM is imported here: only the server (its
@@ -29,6 +29,7 @@ engine processes) imports this module.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -44,20 +45,25 @@ MAX_ALLOWED = 256
 
 WORD = re.compile(r"[A-Za-z0-9_]+")
 CLOSING = re.compile(r"[}\]]+")
+BEGIN_NAME = re.compile(r'"name":\s*"([^"]+)"')
+IN_NAME = re.compile(r'"name":\s*"([^"]*)$')
+"""The output so far ends inside a tool call's name (``{"name": "lo``): vocabulary strings
+joined, byte-level spaces (``Ġ``) read as spaces."""
 
 
-def _spelled(chosen: str, extension: str) -> bool:
-    """Whether a chain may add ``extension`` to ``chosen``: the rest of a word (a name, a key, an
-    enum value), or more closing brackets after closing brackets (the end of the arguments'
-    JSON and the ``}`` that closes the call, which BPE writes as one ``}}``). Other whitespace
-    and punctuation are the model's: a JSON grammar allows `` {"`` and `` {`` then a newline,
-    so a chain there is no forced text and extending it would change the answer's layout."""
-    if WORD.fullmatch(extension):
+def _spelled(chosen: str, extension: str, in_name: bool) -> bool:
+    """Whether a chain may add ``extension`` to ``chosen``: the rest of the tool's name (when
+    ``in_name``), or more closing brackets after closing brackets (the end of the arguments'
+    JSON and the ``}`` that closes the call, which BPE writes as one ``}}``). Keys, values,
+    whitespace and punctuation stay the model's: a JSON grammar allows `` {"`` and `` {`` then
+    a newline, so a chain there is no forced text; and SmolLM2 nudged to whole-word keys
+    (``setup`` for ``set``) was measured looping inside the next string to its token limit."""
+    if in_name and WORD.fullmatch(extension):
         return True
     return bool(CLOSING.fullmatch(chosen) and CLOSING.fullmatch(extension))
 
 
-def forced_chain(chosen: str, allowed: list[str]) -> list[int] | None:
+def forced_chain(chosen: str, allowed: list[str], in_name: bool = True) -> list[int] | None:
     """Indices in ``allowed`` of ``chosen`` and the strings that extend it, shortest first, up
     to the longest that :func:`_spelled` accepts, when the strings of ``allowed`` that start with
     ``chosen`` form one chain (each a prefix of the next); ``None`` when they branch (a choice
@@ -67,8 +73,34 @@ def forced_chain(chosen: str, allowed: list[str]) -> list[int] | None:
     for short, long in itertools.pairwise(chain):
         if not allowed[long].startswith(allowed[short]) or allowed[long] == allowed[short]:
             return None
-    ok = [n for n, i in enumerate(chain) if n and _spelled(chosen, allowed[i][len(chosen) :])]
+    ok = [
+        n for n, i in enumerate(chain) if n and _spelled(chosen, allowed[i][len(chosen) :], in_name)
+    ]
     return chain[: ok[-1] + 1] if ok else None
+
+
+def tool_names(params: Any) -> tuple[str, ...]:
+    """The tool names a request's structural tag allows (from each tag's ``begin``, e.g.
+    ``<tool_call>\n{"name": "lookup", "arguments": ``)."""
+    try:
+        tag = json.loads(params.structured_outputs.structural_tag)
+    except (TypeError, ValueError):
+        return ()
+    names: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            begin = node.get("begin")
+            if isinstance(begin, str) and (m := BEGIN_NAME.search(begin)):
+                names.append(m.group(1))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(tag)
+    return tuple(dict.fromkeys(names))
 
 
 def _tool_call_grammar(params: Any) -> bool:
@@ -95,8 +127,12 @@ class WholeForcedTokens(LogitsProcessor):
         # strings are prefixes of text. Ids past the tokenizer's vocabulary (padding) map to "".
         strings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.vocab = [s if isinstance(s, str) else "" for s in strings]
-        self.rows: dict[int, bool] = {}
-        """Batch rows whose request is a forced tool call (:func:`_tool_call_grammar`)."""
+        self.tokenizer = tokenizer
+        self.spellings: dict[str, list[int]] = {}
+        """Each tool name's token ids as the tokenizer spells it (computed once)."""
+        self.rows: dict[int, tuple[list[int], tuple[str, ...]]] = {}
+        """Batch rows whose request is a forced tool call (:func:`_tool_call_grammar`): their
+        output token ids so far (vLLM's live list) and the tool names their grammar allows."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -105,11 +141,34 @@ class WholeForcedTokens(LogitsProcessor):
         process_dict_updates(
             self.rows,
             batch_update,
-            lambda params, _, __: True if _tool_call_grammar(params) else None,
+            lambda params, _, out: (
+                (out, tool_names(params)) if _tool_call_grammar(params) else None
+            ),
         )
 
+    def spelling(self, name: str) -> list[int]:
+        """``name``'s token ids as the tokenizer writes it after ``{"name": "``."""
+        if name not in self.spellings:
+            self.spellings[name] = self.tokenizer(name, add_special_tokens=False)["input_ids"]
+        return self.spellings[name]
+
+    def name_token(self, typed: str, chosen: str, names: tuple[str, ...]) -> int | None:
+        """The tokenizer's next token of the one tool name that ``typed`` (the name so far) and
+        the model's ``chosen`` token lead to; ``None`` when several names still fit (the
+        model's choice) or the name so far is not the tokenizer's spelling of its start."""
+        fits = [n for n in names if (n + '"').startswith(typed + chosen) or
+                ((typed + chosen).startswith(n + '"') and typed != n)]  # fmt: skip
+        if len(fits) != 1 or typed == fits[0]:
+            return None
+        ids, spelled = self.spelling(fits[0]), ""
+        for token in ids:
+            if spelled == typed:
+                return token
+            spelled += self.vocab[token] if token < len(self.vocab) else ""
+        return None
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row in self.rows:
+        for row, (output, names) in self.rows.items():
             if row >= logits.shape[0]:
                 continue
             finite = torch.isfinite(logits[row])
@@ -122,11 +181,26 @@ class WholeForcedTokens(LogitsProcessor):
             chosen = self.vocab[best] if best < len(self.vocab) else ""
             if not chosen:
                 continue
-            chain = forced_chain(chosen, strings)
-            if chain is None:
-                continue
-            # The chain spells one text: its probability goes to its longest token.
-            members = torch.tensor([ids[k] for k in chain], device=logits.device)
+            tail = "".join(self.vocab[t] for t in output[-8:] if t < len(self.vocab))
+            name = IN_NAME.search(tail.replace("Ġ", " "))
+            if name is not None:
+                # Inside the name: the tokens that spell more of it give their probability to
+                # the tokenizer's next token of it.
+                token = self.name_token(name.group(1), chosen, names)
+                if token is None or token not in ids:
+                    continue
+                rest = next(n for n in names if n.startswith(name.group(1) + self.vocab[token]))
+                todo = rest[len(name.group(1)) :] + '"'
+                group = [i for i, t in zip(ids, strings, strict=True) if t and todo.startswith(t)]
+                members = torch.tensor(
+                    [*[i for i in group if i != token], token], device=logits.device
+                )
+            else:
+                chain = forced_chain(chosen, strings, in_name=False)
+                if chain is None:
+                    continue
+                # The chain spells one text: its probability goes to its longest token.
+                members = torch.tensor([ids[k] for k in chain], device=logits.device)
             merged = torch.logsumexp(logits[row, members], dim=0)
             logits[row, members] = float("-inf")
             logits[row, members[-1]] = merged
