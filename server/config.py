@@ -276,8 +276,8 @@ class ServerConfig:
         parse=parse_bool, switch=True, negated=True,
         help="let the model spell forced tool names in any tokens",
     )  # fmt: skip
-    """A forced tool call's name (and its closing ``}}``) is written in the longest allowed
-    tokens, as the tokenizer spells it, so the next call's re-rendered tool call reuses the
+    """A forced tool call's name is written as the tokenizer spells it (and its closing braces
+    as ``}}``), so the next call's re-rendered tool call reuses the
     cached KV (``server/forced_text.py``, a vLLM logits processor for forced tool calls only;
     ``response_format`` schemas are left alone). ``False``: vLLM's behaviour, the model's argmax
     among the tokens the grammar allows.

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 MAX_ALLOWED = 256
 """Rows whose grammar allows more tokens than this are free text and left alone."""
 
-WORD = re.compile(r"[A-Za-z0-9_]+")
 CLOSING = re.compile(r"[}\]]+")
 BEGIN_NAME = re.compile(r'"name":\s*"([^"]+)"')
 IN_NAME = re.compile(r'"name":\s*"([^"]*)$')
@@ -51,31 +50,23 @@ IN_NAME = re.compile(r'"name":\s*"([^"]*)$')
 joined, byte-level spaces (``Ġ``) read as spaces."""
 
 
-def _spelled(chosen: str, extension: str, in_name: bool) -> bool:
-    """Whether a chain may add ``extension`` to ``chosen``: the rest of the tool's name (when
-    ``in_name``), or more closing brackets after closing brackets (the end of the arguments'
-    JSON and the ``}`` that closes the call, which BPE writes as one ``}}``). Keys, values,
-    whitespace and punctuation stay the model's: a JSON grammar allows `` {"`` and `` {`` then
-    a newline, so a chain there is no forced text; and SmolLM2 nudged to whole-word keys
-    (``setup`` for ``set``) was measured looping inside the next string to its token limit."""
-    if in_name and WORD.fullmatch(extension):
-        return True
-    return bool(CLOSING.fullmatch(chosen) and CLOSING.fullmatch(extension))
-
-
-def forced_chain(chosen: str, allowed: list[str], in_name: bool = True) -> list[int] | None:
+def forced_chain(chosen: str, allowed: list[str]) -> list[int] | None:
     """Indices in ``allowed`` of ``chosen`` and the strings that extend it, shortest first, up
-    to the longest that :func:`_spelled` accepts, when the strings of ``allowed`` that start with
-    ``chosen`` form one chain (each a prefix of the next); ``None`` when they branch (a choice
-    the model makes itself) or no accepted string extends ``chosen``."""
+    to the longest that adds only closing brackets to closing brackets (the end of the
+    arguments' JSON and the ``}`` that closes the call, which BPE writes as one ``}}``), when
+    the strings of ``allowed`` that start with ``chosen`` form one chain (each a prefix of the
+    next); ``None`` when they branch or no such string extends ``chosen``. Keys, values,
+    whitespace and other punctuation stay the model's: a JSON grammar allows `` {"`` and `` {``
+    then a newline, so a chain there is no forced text; and SmolLM2 nudged to whole-word keys
+    (``setup`` for ``set``) was measured looping inside the next string to its token limit."""
+    if not CLOSING.fullmatch(chosen):
+        return None
     chain = sorted((i for i, s in enumerate(allowed) if s.startswith(chosen)),
                    key=lambda i: len(allowed[i]))  # fmt: skip
     for short, long in itertools.pairwise(chain):
         if not allowed[long].startswith(allowed[short]) or allowed[long] == allowed[short]:
             return None
-    ok = [
-        n for n, i in enumerate(chain) if n and _spelled(chosen, allowed[i][len(chosen) :], in_name)
-    ]
+    ok = [n for n, i in enumerate(chain) if n and CLOSING.fullmatch(allowed[i][len(chosen) :])]
     return chain[: ok[-1] + 1] if ok else None
 
 
@@ -113,7 +104,8 @@ def _tool_call_grammar(params: Any) -> bool:
 
 
 class WholeForcedTokens(LogitsProcessor):
-    """Forced text in the longest allowed tokens (see the module doc). Not argmax-invariant:
+    """Forced tool names as the tokenizer spells them, closing braces merged (see the module
+    doc). Not argmax-invariant:
     it changes greedy choices, so vLLM runs it for greedy requests too."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
@@ -152,10 +144,10 @@ class WholeForcedTokens(LogitsProcessor):
             self.spellings[name] = self.tokenizer(name, add_special_tokens=False)["input_ids"]
         return self.spellings[name]
 
-    def name_token(self, typed: str, chosen: str, names: tuple[str, ...]) -> int | None:
-        """The tokenizer's next token of the one tool name that ``typed`` (the name so far) and
-        the model's ``chosen`` token lead to; ``None`` when several names still fit (the
-        model's choice) or the name so far is not the tokenizer's spelling of its start."""
+    def name_token(self, typed: str, chosen: str, names: tuple[str, ...]) -> tuple[str, int] | None:
+        """The one tool name that ``typed`` (the name so far) and the model's ``chosen`` token
+        lead to, with the tokenizer's next token of it; ``None`` when several names still fit
+        (the model's choice) or the name so far is not the tokenizer's spelling of its start."""
         fits = [n for n in names if (n + '"').startswith(typed + chosen) or
                 ((typed + chosen).startswith(n + '"') and typed != n)]  # fmt: skip
         if len(fits) != 1 or typed == fits[0]:
@@ -163,7 +155,7 @@ class WholeForcedTokens(LogitsProcessor):
         ids, spelled = self.spelling(fits[0]), ""
         for token in ids:
             if spelled == typed:
-                return token
+                return fits[0], token
             spelled += self.vocab[token] if token < len(self.vocab) else ""
         return None
 
@@ -186,17 +178,17 @@ class WholeForcedTokens(LogitsProcessor):
             if name is not None:
                 # Inside the name: the tokens that spell more of it give their probability to
                 # the tokenizer's next token of it.
-                token = self.name_token(name.group(1), chosen, names)
-                if token is None or token not in ids:
+                found = self.name_token(name.group(1), chosen, names)
+                if found is None or found[1] not in ids:
                     continue
-                rest = next(n for n in names if n.startswith(name.group(1) + self.vocab[token]))
-                todo = rest[len(name.group(1)) :] + '"'
+                full, token = found
+                todo = full[len(name.group(1)) :] + '"'
                 group = [i for i, t in zip(ids, strings, strict=True) if t and todo.startswith(t)]
                 members = torch.tensor(
                     [*[i for i in group if i != token], token], device=logits.device
                 )
             else:
-                chain = forced_chain(chosen, strings, in_name=False)
+                chain = forced_chain(chosen, strings)
                 if chain is None:
                     continue
                 # The chain spells one text: its probability goes to its longest token.

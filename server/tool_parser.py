@@ -64,18 +64,22 @@ class VerbatimHermesToolParser(Hermes2ProToolParser):
         start_token, end_token = self.tool_call_start_token, self.tool_call_end_token
         decoder, out, pos = json.JSONDecoder(), [], 0
         while (start := text.find(start_token, pos)) != -1:
-            begin = start + len(start_token)
-            body = begin + len(text[begin:]) - len(text[begin:].lstrip())
+            body = _past_space(text, start + len(start_token))
             try:
                 _, end = decoder.raw_decode(text, body)
             except ValueError:
-                end = -1
-            after = end + len(text[end:]) - len(text[end:].lstrip()) if end != -1 else -1
-            if after == -1 or not text.startswith(end_token, after):
+                return out + self._extract_tool_call_jsons(text[start:])
+            after = _past_space(text, end)
+            if not text.startswith(end_token, after):
                 return out + self._extract_tool_call_jsons(text[start:])
             out.append((text[body:end], True))
             pos = after + len(end_token)
         return out
+
+
+def _past_space(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that ``str.strip`` would keep."""
+    return len(text) - len(text[i:].lstrip())
 
 
 def _is_object(call_text: str, args: str) -> bool:

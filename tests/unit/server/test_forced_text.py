@@ -35,8 +35,8 @@ def test_forced_chain(chosen: str, allowed: list[str], expected: list[str] | Non
 
 def test_words_are_completed_only_inside_the_tool_name() -> None:
     """A key (``set`` -> ``setup``) stays the model's: outside the name only braces merge."""
-    assert forced_text.forced_chain("set", ["set", "setup"], in_name=False) is None
-    got = forced_text.forced_chain("}", ["}", "}}"], in_name=False)
+    assert forced_text.forced_chain("set", ["set", "setup"]) is None
+    got = forced_text.forced_chain("}", ["}", "}}"])
     assert got == [0, 1]
 
 
