@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resident", default="256MiB", help="--kv-cache-memory-bytes of the servers")
     ap.add_argument("--full", default="2GiB", help="concurrent: the hold-everything budget")
     ap.add_argument("--max-model-len", default="4096")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="requests running at once, every server (default: the conversations, "
+                         "8 to 64)")  # fmt: skip
     ap.add_argument("--model", default=None, help="model folder, or 'tiny' for the test model")
     ap.add_argument("--reserved-cpus", type=int, default=0,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server")  # fmt: skip
@@ -303,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.model:
         model_dir = Path(args.model)
-    common = ["--max-model-len", args.max_model_len,
-              "--max-num-seqs", str(max(8, min(args.conversations, 64)))]  # fmt: skip
+    max_num_seqs = args.max_num_seqs or max(8, min(args.conversations, 64))
+    common = ["--max-model-len", args.max_model_len, "--max-num-seqs", str(max_num_seqs)]
     results: dict[str, LoadResult] = {}
     cores: dict[str, str] = {}
     say: Callable[[str], None] = lambda m: print(f"[load] {m}", flush=True)  # noqa: E731

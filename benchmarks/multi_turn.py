@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -282,6 +283,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", choices=["vllm", "kvcache", "vllm-all"])
     p.add_argument("--reserved-cpus", type=int, default=0,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server")  # fmt: skip
+    p.add_argument("--kvcache-flags", default="",
+                   help="more flags for this server only, e.g. '--kv-disk-bytes 0'")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small run for a smoke test")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
@@ -330,6 +333,7 @@ def main() -> None:
                 args.resident_bytes,
                 "--kv-ram-bytes",
                 args.ram_bytes,
+                *shlex.split(args.kvcache_flags),
             ],
         ),
         "vllm-all": (
