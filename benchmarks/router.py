@@ -201,10 +201,10 @@ sees one running on the victim and kills it mid-answer; with the short answers o
 turns a request could start and end between two looks at the replica's metrics."""
 
 
-def running_requests(server_url: str) -> float:
-    """``vllm:num_requests_running`` of a server (0 when it does not answer)."""
+def running_requests(server_url: str, timeout_s: float = 2.0) -> float:
+    """``vllm:num_requests_running`` of a server (0 when it does not answer in ``timeout_s``)."""
     try:
-        text = httpx.get(server_url + "/metrics", timeout=2).text
+        text = httpx.get(server_url + "/metrics", timeout=timeout_s).text
     except httpx.HTTPError:
         return 0.0
     found = re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+(\S+)$", text, re.M)
@@ -216,6 +216,17 @@ def redis_hit_blocks(server_url: str) -> float:
     text = httpx.get(server_url + "/metrics", timeout=10).text
     found = re.findall(r'^lgkv_hit_blocks_total\{[^}]*tier="redis"[^}]*\}\s+(\S+)$', text, re.M)
     return sum(float(v) for v in found)
+
+
+GRACE_S = 0.3
+"""How long a victim request must have been out before the kill hook takes it as running
+without seeing it in the replica's metrics (the router forwards in milliseconds)."""
+
+
+def _turn_answered(run: Run, turn: int, name: str) -> bool:
+    """Whether every thread of replica ``name`` has sent turn ``turn`` and got its answer."""
+    mine = [t for (t, n) in run.calls if n == 0 and run.replicas(t)[0] == name]
+    return all((t, turn) in run.calls and run.calls[(t, turn)].ended for t in mine)
 
 
 def kill_when_busy(
@@ -235,20 +246,31 @@ def kill_when_busy(
         if turn != at_turn:
             return
 
-        def pending() -> bool:  # a request of the victim's threads has not come back yet
-            calls = list(run.calls.values())
-            return any(c.turn == turn and not c.ended and run.replicas(c.thread)[0] == name
-                       for c in calls)  # fmt: skip
+        def out_since() -> float | None:  # when the oldest unanswered victim request was sent
+            starts = [c.started for c in list(run.calls.values())
+                      if c.turn == turn and not c.ended and run.replicas(c.thread)[0] == name]  # fmt: skip
+            return min(starts) if starts else None
 
-        deadline = time.monotonic() + 120
+        # Kill once the victim's metrics show a request running while one of its threads waits
+        # for an answer. The metrics are a hint, not a condition: under load /metrics can answer
+        # slower than a request decodes, so a request out for GRACE_S counts as running too.
+        # The check and the kill hold ``run.ends``: a call seen unanswered is in flight at the
+        # kill. If every victim request of the turn comes back first, the kill waits no more.
         while True:
-            busy = pending() and running_requests(url) >= 1
-            with run.ends:  # no call is marked ended between this check and the kill
-                if (busy and pending()) or time.monotonic() > deadline:
+            since = out_since()
+            if since is None and _turn_answered(run, turn, name):
+                run.killed_at, run.killed = time.monotonic(), name  # missed: kill between turns
+                kill()
+                break
+            busy = since is not None and (
+                time.monotonic() - since > GRACE_S or running_requests(url, timeout_s=0.5) >= 1
+            )
+            with run.ends:
+                if busy and out_since() is not None:
                     run.killed_at, run.killed = time.monotonic(), name
                     kill()
                     break
-            time.sleep(0.02)
+            time.sleep(0.01)
         threading.Thread(target=watch, args=(run,), daemon=True).start()
 
     return hook
