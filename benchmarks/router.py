@@ -247,8 +247,9 @@ def kill_when_busy(
             return
 
         def out_since() -> float | None:  # when the oldest unanswered victim request was sent
-            starts = [c.started for c in list(run.calls.values())
-                      if c.turn == turn and not c.ended and run.replicas(c.thread)[0] == name]  # fmt: skip
+            calls = list(run.calls.values())
+            mine = [c for c in calls if c.turn == turn and run.replicas(c.thread)[0] == name]
+            starts = [c.started for c in mine if not c.ended]
             return min(starts) if starts else None
 
         # Kill once the victim's metrics show a request running while one of its threads waits
