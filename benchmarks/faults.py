@@ -246,7 +246,7 @@ def block_files(cache_dir: Path, key: str) -> list[Path]:
 
 def corrupt_files(cache_dir: Path) -> int:
     """Block files that fail their header or checksum."""
-    from server.kv.tiers.disk import BlockFileError, parse_block
+    from server.kv.tiers.block_frame import BlockFileError, parse_block
 
     bad = 0
     for path in (cache_dir / "blocks").glob("*/*/*/*.kvb"):

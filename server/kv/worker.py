@@ -216,7 +216,7 @@ class SessionKVWorker:
             for item in plan.saves:
                 if not (item.to_disk or item.to_redis):
                     continue
-                data = self.pool.slot(item.slot).clone()
+                data = self.pool.copy_slot(item.slot)
                 if item.to_disk:
                     self.io.write(item.key, data)
                 if item.to_redis:

@@ -4,7 +4,7 @@ Layout under ``disk_dir``::
 
     <fingerprint>/manifest.json          model, weights, dtype, block size, layers, hash scheme,
                                          stored format (``--kv-offload-dtype``)
-    <fingerprint>/ab/cd/<key>.kvb        header + raw block bytes
+    <fingerprint>/ab/cd/<key>.kvb        header page (4 KiB) + raw block bytes, padded to 4 KiB
     <fingerprint>/ab/cd/<key>.r<N>.kvb   the same, of tensor-parallel rank N (``tp_size`` > 1)
 
 The fingerprint is a hash of the manifest, so a restart with the same model reuses the files
@@ -16,7 +16,12 @@ Tensor parallelism: each worker rank writes and reads only its own file of a blo
 (``DiskStore(..., rank=N)``; its header names the key and the rank); the scheduler side's
 store (``rank=None``) sees a block as present only when the files of every rank are, and
 counts all of them against the disk budget. A block file is written
-to a temp name, fsynced and renamed, so a reader sees a whole file or none. Reading checks the
+to a temp name, fsynced and renamed, so a reader sees a whole file or none. The header takes a
+whole 4 KiB page and the file is padded to whole pages, so a page-aligned payload (the worker's
+copies are) is written with ``O_DIRECT``: straight from the buffer to the device, without the
+page-cache copy that costs a buffered write several milliseconds of CPU per block (the cores
+the model runs on) plus the kernel's write-back later; where the file system refuses
+``O_DIRECT`` the same bytes are written through the page cache. Reading checks the
 magic, the key, the length and a CRC32 of the payload; any defect raises
 :class:`BlockFileError` (the caller treats it as a miss). No torch here: the worker hands in and
 gets back plain buffers.
@@ -25,11 +30,11 @@ gets back plain buffers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
-import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -37,17 +42,24 @@ from pathlib import Path
 
 from server.kv.formats import SCALE_SCHEME, SCALED, BlockFormat
 from server.kv.keys import block_path, check_key, parse_block_name
+from server.kv.tiers import block_frame
+from server.kv.tiers.block_frame import (
+    BlockFileError,
+    check_file_header,
+    file_header,
+    is_page_aligned,
+    padding,
+    write_direct,
+)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
-_MAGIC = b"LGKVBLK\x01"
-_HEAD = struct.Struct("<8sHQI")  # magic, key length, payload length, crc32
+PAGE = block_frame.PAGE
+FILE_LAYOUT = 2
+"""Version of the block file layout, part of the fingerprint (1: header and payload back to
+back; 2: a header page and page padding, for ``O_DIRECT``)."""
 _TMP_PREFIX = ".tmp-"
-
-
-class BlockFileError(OSError):
-    """A block file is missing, truncated, for another key or fails its checksum."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +121,11 @@ class Manifest:
     def fingerprint(self) -> str:
         """16 hex chars naming the folder of this layout (and the Redis key prefix).
 
-        ``auto`` manifests hash as before the format existed, so their files stay valid; scaled
-        formats add :data:`~server.kv.formats.SCALE_SCHEME`."""
+        Scaled formats add :data:`~server.kv.formats.SCALE_SCHEME`; every layout adds
+        :data:`FILE_LAYOUT`, so files of an earlier layout are never read as this one's (they
+        sit in another folder, unused)."""
         fields: dict[str, object] = asdict(self)
+        fields["files"] = FILE_LAYOUT
         if self.tp_size == 1:  # as before tensor parallelism: one-rank files stay valid
             del fields["tp_size"]
         if self.offload_dtype == "auto":
@@ -140,6 +154,8 @@ class DiskStore:
         """The ranks whose files this store covers."""
         self.root = Path(disk_dir) / manifest.fingerprint()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._direct = hasattr(os, "O_DIRECT")
+        """Write page-aligned payloads with ``O_DIRECT`` (off once the file system refuses)."""
         if not (self.root / MANIFEST_FILE).exists():
             self._write_manifest()
 
@@ -165,7 +181,10 @@ class DiskStore:
         return [block_path(self.root, key, rank) for rank in self.ranks]
 
     def write(self, key: str, payload: memoryview) -> None:
-        """Write a block atomically (temp file, fsync, rename). Raises OSError on failure."""
+        """Write a block atomically (temp file, fsync, rename). Raises OSError on failure.
+
+        A page-aligned ``payload`` goes to the device with ``O_DIRECT`` where the file system
+        allows it; any other through the page cache (same bytes either way)."""
         check_key(key)
         data = memoryview(payload).cast("B")
         if data.nbytes != self.manifest.block_bytes:
@@ -175,35 +194,41 @@ class DiskStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{key}"
-        head = block_header(key, data, self.rank)
+        head = file_header(key, data, self.rank)
+        direct = self._direct and is_page_aligned(data)
         try:
-            with _create(tmp) as f:
-                f.write(head)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            if direct:
+                write_direct(tmp, head, data)
+            else:
+                with _create(tmp) as f:
+                    f.write(head)
+                    f.write(data)
+                    f.write(bytes(padding(data.nbytes)))
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise
+            if not (direct and isinstance(e, OSError) and e.errno == errno.EINVAL):
+                raise
+            self._no_direct(e)
+            self.write(key, payload)
 
     def read_into(self, key: str, out: memoryview) -> None:
-        """Fill ``out`` (exactly one block of bytes) from the block's file, checking it."""
+        """Fill ``out`` (exactly one block of bytes) from the block's file, checking it.
+
+        Reads go through the page cache: a file written with ``O_DIRECT`` is not there, and a
+        cold buffered read (with the kernel's read-ahead) took 5 ms per 5.9 MB block here,
+        against 9.5 ms with ``O_DIRECT``, for the same CPU (mostly the CRC)."""
         dest = memoryview(out).cast("B")
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                head = f.read(_HEAD.size)
-                if len(head) != _HEAD.size:
-                    raise BlockFileError(f"{path}: truncated header")
-                magic, key_len, length, crc = _HEAD.unpack(head)
-                if magic != _MAGIC:
-                    raise BlockFileError(f"{path}: not a block file")
-                if f.read(key_len) != header_key_id(key, self.rank):
-                    raise BlockFileError(f"{path}: holds another block")
-                if length != dest.nbytes:
-                    raise BlockFileError(f"{path}: {length} bytes, expected {dest.nbytes}")
+                crc = check_file_header(f.read(PAGE), key, dest.nbytes, str(path), self.rank)
+                size = os.fstat(f.fileno()).st_size
+                if size != rank_file_bytes(self.manifest):
+                    raise BlockFileError(f"{path}: {size} bytes, expected {self.file_bytes}")
                 got = f.readinto(dest)
         except FileNotFoundError as e:
             raise BlockFileError(f"{path}: missing") from e
@@ -211,6 +236,11 @@ class DiskStore:
             raise BlockFileError(f"{path}: truncated payload ({got} of {dest.nbytes} bytes)")
         if zlib.crc32(dest) != crc:
             raise BlockFileError(f"{path}: checksum mismatch")
+
+    def _no_direct(self, error: OSError) -> None:
+        """The file system refused ``O_DIRECT``: page-cache writes from now on."""
+        self._direct = False
+        log.info("KV disk tier %s: no O_DIRECT here (%s); using the page cache", self.root, error)
 
     def remove(self, key: str) -> bool:
         """Delete a block's file (every rank's, for a store of every rank); False if none
@@ -306,27 +336,10 @@ class DiskStore:
             return False
 
 
-KEY_ID_CHARS = 64
-"""Characters of the key id in every block header: all block files of a layout are one size."""
-
-
-def header_key_id(key: str, rank: int | None = None) -> bytes:
-    """The key as the header names it: a full block's key (64 hex characters) as is, a longer
-    tail key (:func:`server.kv.keys.tail_key`) by the SHA-256 of it, so a tail's file is the
-    same size as a full block's and budgets, start-up checks and Redis values stay uniform.
-    A tensor-parallel rank's shard is named by the SHA-256 of the key and the rank, so one
-    rank's bytes never pass for another's."""
-    if rank is not None:
-        return hashlib.sha256(f"{key}\0rank{rank}".encode()).hexdigest().encode()
-    if len(key) <= KEY_ID_CHARS:
-        return key.encode()
-    return hashlib.sha256(key.encode()).hexdigest().encode()
-
-
 def rank_file_bytes(manifest: Manifest) -> int:
     """Size on disk of one block file of ``manifest`` (header + key id + one rank's
     payload)."""
-    return _HEAD.size + KEY_ID_CHARS + manifest.block_bytes
+    return PAGE + manifest.block_bytes + padding(manifest.block_bytes)
 
 
 def block_file_bytes(manifest: Manifest) -> int:
@@ -342,31 +355,6 @@ def _create(path: Path):  # type: ignore[no-untyped-def]
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open(path, "wb")
-
-
-def block_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
-    """The header stored in front of a block's bytes (magic, key, length, CRC32)."""
-    kb = header_key_id(key, rank)
-    return _HEAD.pack(_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
-
-
-def parse_block(raw: bytes, key: str, out: memoryview, where: str, rank: int | None = None) -> None:
-    """Check a stored block (header + payload) of ``rank`` and copy its payload into ``out``."""
-    dest = memoryview(out).cast("B")
-    if len(raw) < _HEAD.size:
-        raise BlockFileError(f"{where}: truncated header")
-    magic, key_len, length, crc = _HEAD.unpack_from(raw)
-    if magic != _MAGIC:
-        raise BlockFileError(f"{where}: not a block")
-    start = _HEAD.size + key_len
-    if raw[_HEAD.size : start] != header_key_id(key, rank):
-        raise BlockFileError(f"{where}: holds another block")
-    if length != dest.nbytes or len(raw) != start + length:
-        raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")
-    payload = memoryview(raw)[start:]
-    if zlib.crc32(payload) != crc:
-        raise BlockFileError(f"{where}: checksum mismatch")
-    dest[:] = payload
 
 
 def remove_block_files(disk_dir: Path, keys: Iterable[str]) -> int:

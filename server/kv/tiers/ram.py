@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from server.kv.codec import BlockCodec
+from server.kv.tiers.block_frame import PAGE
 
 
 class RamPool:
@@ -43,6 +44,15 @@ class RamPool:
     def slot(self, slot: int) -> torch.Tensor:
         """The bytes of one slot (a 1-D uint8 view)."""
         return self.buffer[slot]
+
+    def copy_slot(self, slot: int) -> torch.Tensor:
+        """A private copy of one slot's bytes that starts on a page boundary, so the disk tier
+        writes it with ``O_DIRECT`` (:meth:`server.kv.tiers.disk.DiskStore.write`)."""
+        raw = torch.empty(self.block_bytes + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        out = raw[start : start + self.block_bytes]
+        out.copy_(self.buffer[slot])
+        return out
 
     def save(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
         """Encode paged blocks into slots (``kv``: per-layer views with the block dim first)."""

@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from server.kv.tiers.disk import BlockFileError, Manifest, block_header, parse_block
+from server.kv.tiers.block_frame import BlockFileError, block_header, parse_block
+from server.kv.tiers.disk import Manifest
 
 log = logging.getLogger(__name__)
 

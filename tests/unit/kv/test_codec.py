@@ -15,6 +15,7 @@ from server.kv.codec import BlockCodec, fp8_available  # noqa: E402
 from server.kv.formats import OFFLOAD_DTYPES, SCALE_GROUP, BlockFormat, FormatError  # noqa: E402
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
 from server.kv.settings import ConnectorSettings, SettingsError  # noqa: E402
+from server.kv.tiers.block_frame import PAGE  # noqa: E402
 from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
 from server.kv.worker import SessionKVWorker  # noqa: E402
 
@@ -262,7 +263,7 @@ def test_corrupted_compressed_block_is_a_miss(tmp_path: Path) -> None:
     assert worker.store is not None
     path = worker.store.path(KEYS[2])
     raw = bytearray(path.read_bytes())
-    raw[-3] ^= 0x40  # inside the last layer's scales
+    raw[PAGE + worker.store.manifest.block_bytes - 3] ^= 0x40  # in the last layer's scales
     path.write_bytes(bytes(raw))
     worker.start_load(
         StepPlan(loads=[LoadJob("r", (LoadItem(10, KEYS[2], NO_SLOT, "disk"),), True)])

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from server.kv.keys import tail_key
-from server.kv.tiers.disk import BlockFileError, DiskStore, Manifest, remove_block_files
+from server.kv.tiers.block_frame import PAGE, BlockFileError
+from server.kv.tiers.disk import DiskStore, Manifest, remove_block_files
 
 MANIFEST = Manifest(
     model_id="m",
@@ -42,7 +43,7 @@ def test_roundtrip_and_layout(tmp_path: Path) -> None:
     [
         lambda b: b[:-1],  # truncated payload
         lambda b: b[:10],  # truncated header
-        lambda b: b[:-1] + bytes([b[-1] ^ 1]),  # one flipped bit
+        lambda b: b[: PAGE + 63] + bytes([b[PAGE + 63] ^ 1]) + b[PAGE + 64 :],  # a flipped bit
         lambda b: b"X" + b[1:],  # not a block file
     ],
 )
@@ -148,3 +149,67 @@ def test_api_side_removal_covers_every_rank(tmp_path: Path) -> None:
     for r in (0, 1):
         DiskStore(tmp_path, TP2, rank=r).write(KEY, payload(r))
     assert remove_block_files(tmp_path, [KEY]) == 2
+
+
+PAGED = replace(MANIFEST, layer_block_bytes=(PAGE, PAGE + 100))
+"""A layout whose blocks are two whole pages and 100 bytes: the O_DIRECT write stages the tail."""
+
+
+def aligned(data: bytes) -> memoryview:
+    """``data`` in a page-aligned buffer (anonymous mappings start on a page)."""
+    import mmap
+
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return memoryview(buf)
+
+
+def test_page_aligned_payload_goes_direct_and_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.kv.tiers import block_frame, disk
+
+    direct: list[Path] = []
+    real = block_frame.write_direct
+    monkeypatch.setattr(disk, "write_direct", lambda p, h, d: (direct.append(p), real(p, h, d)))
+    store = DiskStore(tmp_path, PAGED)
+    data = bytes(i * 7 % 251 for i in range(PAGED.block_bytes))
+    other = "cd" * 32
+    store.write(KEY, aligned(data))  # O_DIRECT
+    store.write(other, memoryview(data))  # not aligned: through the page cache
+    assert len(direct) == 1 and store._direct
+    a, b = store.path(KEY).read_bytes(), store.path(other).read_bytes()
+    assert len(a) == len(b) == store.file_bytes == 4 * PAGE  # header page, 2 pages, tail page
+    assert a[PAGE:] == b[PAGE:] and a[PAGE:][PAGED.block_bytes :] == bytes(PAGE - 100)
+    for key in (KEY, other):
+        out = bytearray(PAGED.block_bytes)
+        store.read_into(key, memoryview(out))
+        assert bytes(out) == data
+    assert store.scan() == {KEY: store.file_bytes, other: store.file_bytes}
+
+
+def test_a_file_system_without_o_direct_gets_page_cache_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+    import os
+
+    from server.kv.tiers import block_frame
+
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECT:  # what ext4 with data=journal or some FUSE file systems say
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(block_frame.os, "open", refuse_direct)
+    store = DiskStore(tmp_path, PAGED)
+    data = bytes(i % 13 for i in range(PAGED.block_bytes))
+    with caplog.at_level("INFO"):
+        store.write(KEY, aligned(data))
+    assert not store._direct and "no O_DIRECT" in caplog.text
+    out = bytearray(PAGED.block_bytes)
+    store.read_into(KEY, memoryview(out))
+    assert bytes(out) == data
+    assert [p.name for p in store.path(KEY).parent.iterdir()] == [f"{KEY}.kvb"]  # no temp left

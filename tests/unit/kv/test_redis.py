@@ -12,7 +12,8 @@ import pytest
 
 from server.kv.keys import block_key
 from server.kv.metadata import WorkerReport
-from server.kv.tiers.disk import BlockFileError, Manifest
+from server.kv.tiers.block_frame import BlockFileError
+from server.kv.tiers.disk import Manifest
 from server.kv.tiers.redis import RedisStore, RedisUnavailable
 
 pytestmark = pytest.mark.redis

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
+from server.kv.tiers.block_frame import PAGE  # noqa: E402
 from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
 from server.kv.worker import SessionKVWorker  # noqa: E402
 
@@ -93,7 +94,7 @@ def test_disk_roundtrip_async_and_corruption(tmp_path: Path) -> None:
     assert sorted(worker.take_report().written) == sorted(KEYS[:2])
     path = worker.store.path(KEYS[1])
     raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
+    raw[PAGE + worker.store.manifest.block_bytes - 1] ^= 0xFF  # the payload's last byte
     path.write_bytes(bytes(raw))
     items = (LoadItem(10, KEYS[0], 2, "disk"), LoadItem(11, KEYS[1], NO_SLOT, "disk"))
     worker.start_load(StepPlan(loads=[LoadJob("r", items, True)]))

@@ -1,0 +1,136 @@
+"""One block framed for storage: the header that names and checks it, for a Redis value
+(header, key id and payload back to back) and for a block file (a header page, the payload
+from the next page on, zeros to the end of its last page), and the ``O_DIRECT`` write of a
+file. No torch: plain buffers in and out."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+
+REDIS_MAGIC = b"LGKVBLK\x01"
+"""Magic of a block framed for Redis (header, key id, payload, back to back)."""
+FILE_MAGIC = b"LGKVBLK\x02"
+"""Magic of a block file (header page, payload, padding to whole pages)."""
+HEAD = struct.Struct("<8sHQI")  # magic, key length, payload length, crc32
+PAGE = 4096
+"""The block files' alignment: header page, payload offset and file size (``O_DIRECT``)."""
+
+
+class BlockFileError(OSError):
+    """A block file is missing, truncated, for another key or fails its checksum."""
+
+
+KEY_ID_CHARS = 64
+"""Characters of the key id in every block header: all block files of a layout are one size."""
+
+
+def header_key_id(key: str, rank: int | None = None) -> bytes:
+    """The key as the header names it: a full block's key (64 hex characters) as is, a longer
+    tail key (:func:`server.kv.keys.tail_key`) by the SHA-256 of it, so a tail's file is the
+    same size as a full block's and budgets, start-up checks and Redis values stay uniform.
+    A tensor-parallel rank's shard is named by the SHA-256 of the key and the rank, so one
+    rank's bytes never pass for another's."""
+    if rank is not None:
+        return hashlib.sha256(f"{key}\0rank{rank}".encode()).hexdigest().encode()
+    if len(key) <= KEY_ID_CHARS:
+        return key.encode()
+    return hashlib.sha256(key.encode()).hexdigest().encode()
+
+
+def block_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
+    """The header stored in front of a block's bytes in Redis (magic, key, length, CRC32)."""
+    kb = header_key_id(key, rank)
+    return HEAD.pack(REDIS_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
+
+
+def file_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
+    """The header page of a block file (magic, key, length, CRC32, zeros to :data:`PAGE`)."""
+    kb = header_key_id(key, rank)
+    head = HEAD.pack(FILE_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
+    return head + bytes(PAGE - len(head))
+
+
+def padding(nbytes: int) -> int:
+    """Zero bytes after a payload of ``nbytes`` to the end of its last page."""
+    return -nbytes % PAGE
+
+
+def is_page_aligned(data: memoryview) -> bool:
+    """Whether ``data`` starts on a :data:`PAGE` boundary (``O_DIRECT`` needs it)."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data % PAGE == 0
+
+
+def write_direct(path: Path, head: bytes, data: memoryview) -> None:
+    """Write header page, page-aligned payload and padding to a new file with ``O_DIRECT``
+    and fsync it. The header page and the payload's last partial page go through one
+    page-aligned scratch buffer; the payload's whole pages go straight from ``data``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o644)
+    try:
+        page = mmap.mmap(-1, PAGE)  # anonymous mappings are page-aligned
+        try:
+            page[:] = head
+            _write_all(fd, memoryview(page))
+            whole = data.nbytes - data.nbytes % PAGE
+            if whole:
+                _write_all(fd, data[:whole])
+            if whole < data.nbytes:
+                page[:] = bytes(data[whole:]) + bytes(padding(data.nbytes))
+                _write_all(fd, memoryview(page))
+        finally:
+            page.close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte of ``data`` is written."""
+    done = 0
+    while done < data.nbytes:
+        done += os.write(fd, data[done:])
+
+
+def check_file_header(head: bytes, key: str, nbytes: int, where: str, rank: int | None) -> int:
+    """Check a block file's header page (magic, key, payload length); its payload's CRC32."""
+    if len(head) != PAGE:
+        raise BlockFileError(f"{where}: truncated header")
+    magic, key_len, length, crc = HEAD.unpack_from(head)
+    if magic != FILE_MAGIC:
+        raise BlockFileError(f"{where}: not a block file")
+    if head[HEAD.size : HEAD.size + key_len] != header_key_id(key, rank):
+        raise BlockFileError(f"{where}: holds another block")
+    if length != nbytes:
+        raise BlockFileError(f"{where}: {length} bytes, expected {nbytes}")
+    return crc
+
+
+def parse_block(raw: bytes, key: str, out: memoryview, where: str, rank: int | None = None) -> None:
+    """Check a stored block (header + payload) of ``rank`` and copy its payload into ``out``."""
+    dest = memoryview(out).cast("B")
+    if len(raw) < HEAD.size:
+        raise BlockFileError(f"{where}: truncated header")
+    magic, key_len, length, crc = HEAD.unpack_from(raw)
+    if magic not in (REDIS_MAGIC, FILE_MAGIC):
+        raise BlockFileError(f"{where}: not a block")
+    if raw[HEAD.size : HEAD.size + key_len] != header_key_id(key, rank):
+        raise BlockFileError(f"{where}: holds another block")
+    start = PAGE if magic == FILE_MAGIC else HEAD.size + key_len
+    size = start + length + (padding(length) if magic == FILE_MAGIC else 0)
+    if length != dest.nbytes or len(raw) != size:
+        raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")
+    payload = memoryview(raw)[start : start + length]
+    if zlib.crc32(payload) != crc:
+        raise BlockFileError(f"{where}: checksum mismatch")
+    dest[:] = payload
