@@ -11,8 +11,12 @@ cores from its log.
     python benchmarks/tier_cost.py                     # first token only (max_tokens 1)
     python benchmarks/tier_cost.py --max-tokens 16     # answers that hide writes in decoding
 
-Variants: ``no-offload`` (``--no-kv-offload``: vLLM's engine and prefix cache, no connector),
-``ram`` (``--kv-disk-bytes 0``), ``ram+disk`` (the defaults). docs/operations.md ("What the disk
+Variants: ``vllm`` (plain vLLM's own OpenAI server, ``python -m
+vllm.entrypoints.openai.api_server``, prefix caching on: what this server's API layer and
+connector are measured against), ``no-offload`` (``--no-kv-offload``: vLLM's engine and prefix
+cache behind this server's API, no connector), ``ram`` (``--kv-disk-bytes 0``), ``ram+disk``
+(the defaults). Every variant gets the engine flags of ``benchmarks/multi_turn.py`` (float32,
+eager). docs/operations.md ("What the disk
 tier costs on CPU") has a run.
 """
 
@@ -29,6 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
+    "vllm": [],
     "no-offload": ["--no-kv-offload"],
     "ram": ["--kv-disk-bytes", "0"],
     "ram+disk": [],
@@ -40,6 +45,23 @@ def _metric_mean(text: str, name: str) -> float:
     total = sum(float(x) for x in re.findall(rf"^vllm:{name}_sum{{[^}}]*}} (\S+)", text, re.M))
     count = sum(float(x) for x in re.findall(rf"^vllm:{name}_count{{[^}}]*}} (\S+)", text, re.M))
     return total / count if count else float("nan")
+
+
+def plain_vllm_process() -> type:
+    """:class:`~examples.server_process.ServerProcess` running plain vLLM's OpenAI server on the
+    same model (served under the same name) instead of ``python -m server``."""
+    from examples.server_process import ServerProcess, locate_model
+
+    class PlainVllm(ServerProcess):
+        def command(self) -> list[str]:
+            model = self.model or locate_model(self.progress)
+            return [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", "SmolLM2-135M-Instruct", "--port", str(self.port),
+                *self.flags,
+            ]  # fmt: skip
+
+    return PlainVllm
 
 
 def run(url: str, model: str, prompts: list[str], max_tokens: int, warmup: int) -> list[float]:
@@ -70,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="first requests left out")
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--chars", type=int, default=1200, help="characters of passage per prompt")
-    ap.add_argument("--resident", default="512MiB", help="--kv-cache-memory-bytes of all")
+    ap.add_argument(
+        "--resident", default=str(512 << 20), help="--kv-cache-memory-bytes of all, in bytes"
+    )
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--reserved-cpus", type=int, default=0,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server")  # fmt: skip
@@ -80,13 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [
         f"{i}: {paragraphs[i % len(paragraphs)][: args.chars]}" for i in range(args.requests)
     ]
-    common = ["--max-model-len", "8192", "--kv-cache-memory-bytes", args.resident]
+    common = [
+        "--max-model-len", "8192", "--kv-cache-memory-bytes", args.resident,
+        "--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details",
+    ]  # fmt: skip
     say = lambda m: print(f"[tier_cost] {m}", flush=True)  # noqa: E731
     rows: list[str] = []
     for name in args.variants:
         flags = [*common, *VARIANTS[name]]
         env = equal_cores_env(args.reserved_cpus)
-        with ServerProcess(flags=flags, progress=say, env=env) as server:
+        process = plain_vllm_process() if name == "vllm" else ServerProcess
+        with process(flags=flags, progress=say, env=env) as server:
             lat = run(server.url, server.model_name, prompts, args.max_tokens, args.warmup)
             prefill = _metric_mean(httpx.get(f"{server.url}/metrics").text,
                                    "request_prefill_time_seconds")  # fmt: skip
