@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -118,14 +119,15 @@ class Manifest:
         """The rank part of the block files' names: ``(None,)`` for one rank, else 0..N-1."""
         return (None,) if self.tp_size == 1 else tuple(range(self.tp_size))
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, files: int = FILE_LAYOUT) -> str:
         """16 hex chars naming the folder of this layout (and the Redis key prefix).
 
-        Scaled formats add :data:`~server.kv.formats.SCALE_SCHEME`; every layout adds
-        :data:`FILE_LAYOUT`, so files of an earlier layout are never read as this one's (they
-        sit in another folder, unused)."""
+        Scaled formats add :data:`~server.kv.formats.SCALE_SCHEME`; block file layouts after
+        the first add ``files`` (:data:`FILE_LAYOUT`), so files of an earlier layout are never
+        read as this one's (``DiskStore.scan`` deletes them)."""
         fields: dict[str, object] = asdict(self)
-        fields["files"] = FILE_LAYOUT
+        if files > 1:
+            fields["files"] = files
         if self.tp_size == 1:  # as before tensor parallelism: one-rank files stay valid
             del fields["tp_size"]
         if self.offload_dtype == "auto":
@@ -271,6 +273,7 @@ class DiskStore:
         tensor-parallel ranks a block counts only when every rank's file is there; the files
         of a block that lacks one (a save interrupted between ranks) are deleted.
         """
+        self._remove_earlier_file_layouts()
         trusted = self._manifest_ok()
         one_file = rank_file_bytes(self.manifest)
         seen: dict[str, set[int | None]] = {}
@@ -323,6 +326,24 @@ class DiskStore:
                 untrusted,
             )
         return found
+
+    def _remove_earlier_file_layouts(self) -> None:
+        """Delete the folder of this manifest under an earlier block file layout (left by an
+        older version of this server): its files can never be read again, and the disk budget
+        does not count them. Folders of other models, dtypes or formats stay."""
+        for files in range(1, FILE_LAYOUT):
+            old = self.root.parent / self.manifest.fingerprint(files)
+            if old == self.root or not old.is_dir():
+                continue
+            count = sum(1 for p in old.rglob("*") if p.is_file())
+            shutil.rmtree(old, ignore_errors=True)
+            log.warning(
+                "KV disk tier: deleted %s (%d files in block file layout %d, which this version "
+                "no longer reads); its blocks are recomputed when next needed",
+                old,
+                count,
+                files,
+            )
 
     def _manifest_ok(self) -> bool:
         """True when ``manifest.json`` describes this store's layout."""

@@ -213,3 +213,20 @@ def test_a_file_system_without_o_direct_gets_page_cache_writes(
     store.read_into(KEY, memoryview(out))
     assert bytes(out) == data
     assert [p.name for p in store.path(KEY).parent.iterdir()] == [f"{KEY}.kvb"]  # no temp left
+
+
+def test_scan_deletes_this_layouts_folder_of_the_earlier_file_layout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = tmp_path / MANIFEST.fingerprint(files=1)  # what an older version wrote
+    (old / "ab" / "ab").mkdir(parents=True)
+    (old / "ab" / "ab" / f"{KEY}.kvb").write_bytes(b"x" * 150)
+    (old / "manifest.json").write_text("{}")
+    other = tmp_path / replace(MANIFEST, model_id="other").fingerprint(files=1)
+    other.mkdir()  # another model's folder: left alone
+    store = DiskStore(tmp_path, MANIFEST)
+    assert store.root != old
+    with caplog.at_level("WARNING"):
+        assert store.scan() == {}
+    assert not old.exists() and other.is_dir()
+    assert "2 files in block file layout 1" in caplog.text
