@@ -102,35 +102,40 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
+def _check_head(
+    raw: bytes, key: str, nbytes: int, where: str, rank: int | None, magics: tuple[bytes, ...]
+) -> tuple[bytes, int]:
+    """Check a header at the start of ``raw`` (magic among ``magics``, key, payload length
+    ``nbytes``); its (magic, payload CRC32)."""
+    if len(raw) < HEAD.size:
+        raise BlockFileError(f"{where}: truncated header")
+    magic, key_len, length, crc = HEAD.unpack_from(raw)
+    if magic not in magics:
+        raise BlockFileError(f"{where}: not a block")
+    if raw[HEAD.size : HEAD.size + key_len] != header_key_id(key, rank):
+        raise BlockFileError(f"{where}: holds another block")
+    if length != nbytes:
+        raise BlockFileError(f"{where}: {length} bytes, expected {nbytes}")
+    return magic, crc
+
+
 def check_file_header(head: bytes, key: str, nbytes: int, where: str, rank: int | None) -> int:
     """Check a block file's header page (magic, key, payload length); its payload's CRC32."""
     if len(head) != PAGE:
         raise BlockFileError(f"{where}: truncated header")
-    magic, key_len, length, crc = HEAD.unpack_from(head)
-    if magic != FILE_MAGIC:
-        raise BlockFileError(f"{where}: not a block file")
-    if head[HEAD.size : HEAD.size + key_len] != header_key_id(key, rank):
-        raise BlockFileError(f"{where}: holds another block")
-    if length != nbytes:
-        raise BlockFileError(f"{where}: {length} bytes, expected {nbytes}")
-    return crc
+    return _check_head(head, key, nbytes, where, rank, (FILE_MAGIC,))[1]
 
 
 def parse_block(raw: bytes, key: str, out: memoryview, where: str, rank: int | None = None) -> None:
-    """Check a stored block (header + payload) of ``rank`` and copy its payload into ``out``."""
+    """Check a stored block of ``rank`` (a Redis value or a whole block file) and copy its
+    payload into ``out``."""
     dest = memoryview(out).cast("B")
-    if len(raw) < HEAD.size:
-        raise BlockFileError(f"{where}: truncated header")
-    magic, key_len, length, crc = HEAD.unpack_from(raw)
-    if magic not in (REDIS_MAGIC, FILE_MAGIC):
-        raise BlockFileError(f"{where}: not a block")
-    if raw[HEAD.size : HEAD.size + key_len] != header_key_id(key, rank):
-        raise BlockFileError(f"{where}: holds another block")
-    start = PAGE if magic == FILE_MAGIC else HEAD.size + key_len
-    size = start + length + (padding(length) if magic == FILE_MAGIC else 0)
-    if length != dest.nbytes or len(raw) != size:
-        raise BlockFileError(f"{where}: {len(raw) - start} bytes, expected {dest.nbytes}")
-    payload = memoryview(raw)[start : start + length]
+    magic, crc = _check_head(raw, key, dest.nbytes, where, rank, (REDIS_MAGIC, FILE_MAGIC))
+    start = PAGE if magic == FILE_MAGIC else HEAD.size + len(header_key_id(key, rank))
+    size = start + dest.nbytes + (padding(dest.nbytes) if magic == FILE_MAGIC else 0)
+    if len(raw) != size:
+        raise BlockFileError(f"{where}: {len(raw)} bytes, expected {size}")
+    payload = memoryview(raw)[start : start + dest.nbytes]
     if zlib.crc32(payload) != crc:
         raise BlockFileError(f"{where}: checksum mismatch")
     dest[:] = payload

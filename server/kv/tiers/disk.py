@@ -43,8 +43,8 @@ from pathlib import Path
 
 from server.kv.formats import SCALE_SCHEME, SCALED, BlockFormat
 from server.kv.keys import block_path, check_key, parse_block_name
-from server.kv.tiers import block_frame
 from server.kv.tiers.block_frame import (
+    PAGE,
     BlockFileError,
     check_file_header,
     file_header,
@@ -56,7 +56,6 @@ from server.kv.tiers.block_frame import (
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
-PAGE = block_frame.PAGE
 FILE_LAYOUT = 2
 """Version of the block file layout, part of the fingerprint (1: header and payload back to
 back; 2: a header page and page padding, for ``O_DIRECT``)."""
@@ -228,9 +227,9 @@ class DiskStore:
         try:
             with open(path, "rb") as f:
                 crc = check_file_header(f.read(PAGE), key, dest.nbytes, str(path), self.rank)
-                size = os.fstat(f.fileno()).st_size
-                if size != rank_file_bytes(self.manifest):
-                    raise BlockFileError(f"{path}: {size} bytes, expected {self.file_bytes}")
+                size, expected = os.fstat(f.fileno()).st_size, rank_file_bytes(self.manifest)
+                if size != expected:
+                    raise BlockFileError(f"{path}: {size} bytes, expected {expected}")
                 got = f.readinto(dest)
         except FileNotFoundError as e:
             raise BlockFileError(f"{path}: missing") from e
