@@ -8,7 +8,10 @@ PostgreSQL database on the same server), it measures:
 - ``invoke``: steps per second of what a graph step writes: ``put`` of the step's checkpoint
   with its new channel versions, then ``put_writes`` of one pending write;
 - ``get_tuple``: loads per second of every checkpoint of the thread by id (time travel) and of
-  the latest one (``get_tuple`` without id, what every run starts with);
+  the latest one (``get_tuple`` without id, what every run starts with); and ``new saver``:
+  the first latest read of a saver that remembers nothing (a new process: ours then fetches
+  and decodes every item, later reads take copies of the decoded messages), its connection
+  already open;
 - ``list``: checkpoint tuples per second when listing the whole thread;
 - size: bytes of the savers' tables after one thread (SQLite file after a WAL checkpoint;
   PostgreSQL ``pg_total_relation_size`` of the tables: heap, free space and visibility maps,
@@ -26,8 +29,10 @@ memory, as another process would.
 
 Reading the figures: a plain saver stores the whole message list again at every step, so its
 size grows with the square of the thread and its ``put`` writes ever more bytes; ours stores
-each message once (``langgraph_kvcache/checkpoint/lists.py``). Reads are bound by
-deserializing the message list, the same work for both.
+each message once (``langgraph_kvcache/checkpoint/lists.py``). A plain saver's read is bound
+by deserializing the message list (rebuilding every message through its constructor); ours
+decodes a message once per saver and then hands out copies
+(``langgraph_kvcache/checkpoint/item_objects.py``), so its first read is the slow one.
 
 Run: ``python benchmarks/checkpointer.py [--steps 200 1000] [--repeat 2] [--no-postgres]
 [--size-only] [--pg-detail]``.
@@ -63,7 +68,16 @@ LIST_TUPLES = 2000
 """Checkpoints listed per saver and repeat: ``LIST_TUPLES // steps`` whole-thread calls (at
 least 2)."""
 
-OPS = ("invoke", "get_tuple (by id)", "get_tuple (latest)", "list (whole thread)")
+OPS = (
+    "invoke",
+    "get_tuple (by id)",
+    "get_tuple (latest)",
+    "get_tuple (new saver)",
+    "list (whole thread)",
+)
+
+NEW_SAVER_READS = 10
+"""``get_tuple (new saver)``: first latest reads of this many new reading savers per repeat."""
 
 SIZE_ONLY = False
 """``--size-only``: write the threads and measure sizes, no reads (and no read rates)."""
@@ -231,6 +245,9 @@ def bench_pair(
         if not SIZE_ONLY:
             with readers() as savers:
                 _read_pass(savers, writers, results, steps, r)
+            for i in range(NEW_SAVER_READS):
+                with readers() as savers:
+                    _new_saver_read(savers, results, r, i)
     for result in results:
         result.items["list (whole thread)"] = steps
     return results
@@ -260,6 +277,24 @@ def _read_pass(
             results[side].samples["list (whole thread)"].append(
                 _timed(lambda s=savers[side], c=latest: list(s.list(c)))
             )
+
+
+def _new_saver_read(
+    savers: tuple[BaseCheckpointSaver, BaseCheckpointSaver],
+    results: tuple[Result, Result],
+    r: int,
+    i: int,
+) -> None:
+    """Time the first latest read of a new reading saver (ours; the peer remembers nothing
+    anyway), with its connection opened before the clock starts."""
+    engine = getattr(savers[0], "engine", None)
+    if engine is not None:
+        engine.connect().close()
+    latest = {"configurable": {"thread_id": f"bench-{r}", "checkpoint_ns": ""}}
+    for side in (i % 2, 1 - i % 2):
+        results[side].samples["get_tuple (new saver)"].append(
+            _timed(lambda s=savers[side], c=latest: s.get_tuple(c))
+        )
 
 
 def sqlite_size(path: Path) -> int:

@@ -193,8 +193,8 @@ def joined_items(
 
     The items of its anchor (or snapshot) come joined from ``prefixes``; on a miss they are
     joined (behind the snapshot's remembered join, when there is one) and remembered, so
-    reading or extending a version joins only the items after its anchor (a leaf is fewer
-    than ``anchor_every`` versions past it)."""
+    checking that a new value extends a version joins only the items after its anchor (a leaf
+    is fewer than ``anchor_every`` versions past it)."""
     digests = state.digests
     anchor, n = state.anchor
     hit = prefixes.get((*scope, anchor), digests)

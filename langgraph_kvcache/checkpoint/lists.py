@@ -17,12 +17,14 @@ Here a version of a list channel is stored as *references* to its items instead:
   the others (*leaves*) extend the last anchor, so a read follows at most two links. A
   snapshot lists digests, not items, so no item is stored twice and the bytes per step stay
   nearly flat;
-- reads concatenate the digests along the chain and rebuild the list. When every item was
-  serialized by msgpack (``JsonPlusSerializer``'s default), the items' bytes joined behind a
-  msgpack array header are exactly the bytes of the whole list, so the list is decoded in one
-  ``loads_typed`` call, as a plain saver would. Writing is the mirror image: the whole new list
-  is serialized once, and when its bytes are the header, the base's remembered item bytes and
-  the new items, only the new items are digested (:meth:`ListState._serialize`).
+- reads concatenate the digests along the chain and rebuild the list: items decoded before
+  come as copies of the remembered objects (:mod:`.item_objects`: chat messages of plain data,
+  equal to a fresh decode and sharing nothing with it), the others are decoded. When every one
+  of those was serialized by msgpack (``JsonPlusSerializer``'s default), their bytes joined
+  behind a msgpack array header are a msgpack list, decoded in one ``loads_typed`` call, as a
+  plain saver decodes its whole list. Writing: the whole new list is serialized once, and
+  when its bytes are the header, the base's remembered item bytes and the new items, only the
+  new items are digested (:meth:`ListState._serialize`).
 
 Which version a delta extends comes from :class:`ListState`, a per-saver memory of the list
 versions of recently written or read checkpoints (a miss costs a snapshot, never a wrong
@@ -46,6 +48,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 
 from langgraph_kvcache.checkpoint import compress
+from langgraph_kvcache.checkpoint.item_objects import OBJECT_CACHE_BYTES, ItemObjects
 from langgraph_kvcache.checkpoint.list_rows import (
     CHAIN_CACHE_ENTRIES,
     DEFAULT_SNAPSHOT_EVERY,
@@ -76,6 +79,8 @@ class ListState:
             a chain; ``1`` stores every version as a snapshot. Reads follow at most two links
             whatever the value.
         item_cache_bytes: Bound of the remembered serialized items.
+        object_cache_bytes: Bound of the remembered decoded items (chat messages handed out as
+            copies, :mod:`.item_objects`), in estimated bytes; ``0`` decodes every read.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class ListState:
         serde: SerializerProtocol,
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
         item_cache_bytes: int = ITEM_CACHE_BYTES,
+        object_cache_bytes: int = OBJECT_CACHE_BYTES,
     ) -> None:
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(
@@ -96,6 +102,8 @@ class ListState:
         snapshot; the others (leaves) those since the last anchor, so reads follow at most two
         links."""
         self.items = _ByteLRU(item_cache_bytes)
+        self.objects = ItemObjects(object_cache_bytes)
+        """Decoded items by digest, handed out as copies (reads skip most deserializing)."""
         self.prefixes = _PrefixLRU(PREFIX_CACHE_BYTES)
         """The remembered items of recent anchors and snapshots joined (:func:`joined_items`)."""
         encrypted = isinstance(serde, EncryptedSerializer)
@@ -355,33 +363,41 @@ class ListState:
         items: Mapping[bytes, tuple[str, bytes]],
     ) -> list[Any]:
         """The value of the stored list version ``state`` (as :meth:`decode`)."""
-        parts = None
-        if not self._encrypted:  # encrypted items are never remembered as msgpack
-            parts = joined_items(self.items, self.prefixes, (thread_id, ns, channel), state)
-        if parts is None:
-            return self.decode(state.digests, items)
-        header = msgpack_array_header(len(state.digests) // DIGEST_SIZE)
-        return self.serde.loads_typed(("msgpack", b"".join([header, *parts])))
+        return self.decode(state.digests, items)
 
     def decode(self, digests: bytes, items: Mapping[bytes, tuple[str, bytes]]) -> list[Any]:
-        """The list whose items have ``digests``, from this saver's memory or ``items``.
+        """The list whose items have ``digests``: copies of the items decoded before
+        (:class:`ItemObjects`), the others decoded from this saver's memory of their bytes or
+        from ``items`` (the msgpack ones in one ``loads_typed`` call, as the whole list's
+        bytes would be).
 
         Raises :class:`MissingItems` when some item is in neither (fetch them and retry).
         """
         split = split_digests(digests)
-        joined = self.items.msgpack_bytes(split)
+        out, missing = self.objects.copies(split)
+        if not missing:
+            return out
+        wanted = [split[i] for i in missing]
+        joined = self.items.msgpack_bytes(wanted)
         if joined is not None:  # the common case, in one pass
-            return self.serde.loads_typed(("msgpack", msgpack_array_header(len(split)) + joined))
-        remembered = self.items.get
-        typed = [remembered(d) for d in split]
-        if None in typed:
-            typed = [t or items.get(d) for t, d in zip(typed, split, strict=True)]
+            data = msgpack_array_header(len(wanted)) + joined
+            decoded = self.serde.loads_typed(("msgpack", data))
+            sizes = [len((self.items.get(d) or ("", b""))[1]) for d in wanted]
+        else:
+            remembered = self.items.get
+            typed = [remembered(d) or items.get(d) for d in wanted]
             if None in typed:
-                raise MissingItems(split[typed.index(None)])
-        if all(t[0] == "msgpack" for t in typed):  # type: ignore[index]
-            data = msgpack_array_header(len(typed)) + b"".join([t[1] for t in typed])  # type: ignore[index]
-            return self.serde.loads_typed(("msgpack", data))
-        return [self.serde.loads_typed(t) for t in typed]  # type: ignore[arg-type]
+                raise MissingItems(wanted[typed.index(None)])
+            sizes = [len(t[1]) for t in typed]  # type: ignore[index]
+            if all(t[0] == "msgpack" for t in typed):  # type: ignore[index]
+                data = msgpack_array_header(len(typed)) + b"".join([t[1] for t in typed])  # type: ignore[index]
+                decoded = self.serde.loads_typed(("msgpack", data))
+            else:
+                decoded = [self.serde.loads_typed(t) for t in typed]  # type: ignore[arg-type]
+        keep = self.objects.keep
+        for i, digest, obj, size in zip(missing, wanted, decoded, sizes, strict=True):
+            out[i] = keep(digest, obj, size)
+        return out
 
     def missing(self, digests: Iterable[bytes]) -> list[bytes]:
         """The digests among ``digests`` whose items this saver does not remember."""

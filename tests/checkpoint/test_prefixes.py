@@ -1,5 +1,5 @@
-"""Joined list prefixes (:class:`~langgraph_kvcache.checkpoint.list_rows._PrefixLRU`): a read
-or an append of a list version joins only the items after its anchor, an entry is used only for
+"""Joined list prefixes (:class:`~langgraph_kvcache.checkpoint.list_rows._PrefixLRU`): an
+append of a list version joins only the items after its anchor, an entry is used only for
 the digests it was built from, and values read back equal to what was put (SQLite and
 PostgreSQL, warm and from a saver that remembers nothing)."""
 
@@ -128,9 +128,10 @@ def test_long_thread_reads_back_equal_with_repeats_and_an_edit(db_url: str) -> N
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-async def test_latest_reads_join_only_the_tail(db_url: str, async_: bool) -> None:
-    """A reader's repeated latest reads of a long thread decode equal values; the anchor's
-    items are joined once and remembered."""
+async def test_latest_reads_decode_each_item_once(db_url: str, async_: bool) -> None:
+    """A reader's repeated latest reads of a long thread give equal values; each item is
+    decoded once and remembered, later reads get copies (:mod:`.item_objects`), never the
+    objects an earlier read handed out."""
     with SQLAlchemySaver.from_conn_string(db_url) as saver:
         saver.setup()
         thread = Thread(saver, "t")
@@ -143,13 +144,19 @@ async def test_latest_reads_join_only_the_tail(db_url: str, async_: bool) -> Non
         async with AsyncSQLAlchemySaver.from_conn_string(db_url) as reader:
             first = await reader.aget_tuple(latest)
             again = await reader.aget_tuple(latest)
-            remembered = len(reader.lists.prefixes._data)
+            remembered = len(reader.lists.objects)
     else:
         with SQLAlchemySaver.from_conn_string(db_url) as reader:
             first = reader.get_tuple(latest)
             again = reader.get_tuple(latest)
-            remembered = len(reader.lists.prefixes._data)
+            remembered = len(reader.lists.objects)
     assert first is not None and again is not None
     assert first.checkpoint["channel_values"]["messages"] == current
     assert again.checkpoint["channel_values"]["messages"] == current
-    assert remembered >= 1
+    assert remembered == len(current)
+    pairs = zip(
+        first.checkpoint["channel_values"]["messages"],
+        again.checkpoint["channel_values"]["messages"],
+        strict=True,
+    )
+    assert all(a is not b for a, b in pairs)
