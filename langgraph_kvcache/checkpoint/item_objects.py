@@ -31,7 +31,12 @@ from langchain_core.messages import BaseMessage
 OBJECT_CACHE_BYTES = 64 * 2**20
 """Default bound of the remembered decoded items, in estimated bytes (:func:`_charge`)."""
 
-_SCALARS = (str, int, float, bool, type(None), bytes)
+SEEN_ENTRIES = 65536
+"""Digests of items decoded once and not remembered (yet) that a cache keeps, oldest first
+out: an item is remembered when it is decoded a second time, so a one-off read (a thread read
+once by this process) pays no copy."""
+
+_SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 
 _set = object.__setattr__
 
@@ -47,9 +52,15 @@ def _plain(value: Any, depth: int = 0) -> bool:
     if depth > 32:
         return False
     if kind is dict:
-        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+        for key, item in value.items():
+            if type(key) is not str or (type(item) not in _SCALARS and not _plain(item, depth + 1)):
+                return False
+        return True
     if kind is list:
-        return all(_plain(v, depth + 1) for v in value)
+        for item in value:
+            if type(item) not in _SCALARS and not _plain(item, depth + 1):
+                return False
+        return True
     return False
 
 
@@ -122,6 +133,7 @@ class ItemObjects:
     def __init__(self, max_bytes: int = OBJECT_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self._data: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
 
@@ -142,10 +154,18 @@ class ItemObjects:
 
     def keep(self, digest: bytes, obj: Any, size: int) -> Any:
         """Remember ``obj``, just decoded from ``size`` serialized bytes of the item
-        ``digest``, when it may be (module docstring). Returns what the caller may hand out:
-        ``obj`` itself when it was not remembered, else a copy (the cache keeps ``obj``)."""
+        ``digest``, when it may be (module docstring) and this is the item's second decode
+        (:data:`SEEN_ENTRIES`). Returns what the caller may hand out: ``obj`` itself when it
+        was not remembered, else a copy (the cache keeps ``obj``)."""
         if self.max_bytes <= 0 or digest in self._data:
             return obj
+        with self._lock:
+            if digest not in self._seen:  # first decode: only note it
+                self._seen[digest] = None
+                if len(self._seen) > SEEN_ENTRIES:
+                    self._seen.popitem(last=False)
+                return obj
+            del self._seen[digest]
         mutable = _mutable_fields(obj)
         charge = _charge(obj, size)
         if mutable is None or charge > self.max_bytes:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
@@ -23,20 +22,47 @@ PLAIN_DRIVERS = ("pysqlite", "psycopg")
 """Drivers whose DBAPI connections run ``plain`` statements directly (see :func:`run_op`)."""
 
 
-@functools.cache
-def _compiled(
-    dialect: Dialect, statement: Any
-) -> tuple[str, tuple[str, ...] | None, dict[str, Any], frozenset[str]]:
-    """SQL text, positional parameter names (None for named parameter styles), literal
-    parameter values (e.g. ``LIMIT 1``) and JSON-typed parameter names of a prebuilt statement,
-    compiled once."""
-    compiled = statement.compile(dialect=dialect)
-    fixed = {name: bind.value for name, bind in compiled.binds.items() if bind.value is not None}
-    json_names = frozenset(
-        name for name, bind in compiled.binds.items() if isinstance(bind.type, sqltypes.JSON)
+def _dialect_shape(dialect: Dialect) -> tuple[Any, ...]:
+    """What the compiled SQL of a statement depends on: the dialect's class, parameter style and
+    the server facts it learnt on connecting. Engines of the same shape (a saver per request,
+    a new process's second engine) share compiled statements."""
+    return (
+        type(dialect),
+        dialect.paramstyle,
+        dialect.positional,
+        getattr(dialect, "server_version_info", None),
+        dialect.label_length,
+        dialect.max_identifier_length,
     )
-    names = tuple(compiled.positiontup) if compiled.positional else None
-    return str(compiled), names, fixed, json_names
+
+
+Compiled = tuple[str, tuple[str, ...] | None, dict[str, Any], frozenset[str]]
+"""SQL text, positional parameter names (None for named parameter styles), literal parameter
+values (e.g. ``LIMIT 1``) and JSON-typed parameter names of a statement."""
+
+_COMPILED: dict[tuple[Any, ...], Compiled] = {}
+"""Compiled prebuilt statements by (dialect shape, statement); the statements are built once
+per dialect name (and row count), so this stays small."""
+
+_COMPILED_MAX = 1024
+
+
+def _compiled(dialect: Dialect, statement: Any) -> Compiled:
+    """A prebuilt statement compiled once per dialect shape (:func:`_dialect_shape`)."""
+    key = (_dialect_shape(dialect), statement)
+    found = _COMPILED.get(key)
+    if found is None:
+        compiled = statement.compile(dialect=dialect)
+        fixed = {n: bind.value for n, bind in compiled.binds.items() if bind.value is not None}
+        json_names = frozenset(
+            n for n, bind in compiled.binds.items() if isinstance(bind.type, sqltypes.JSON)
+        )
+        names = tuple(compiled.positiontup) if compiled.positional else None
+        found = (str(compiled), names, fixed, json_names)
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
+        _COMPILED[key] = found
+    return found
 
 
 def run_plain(dialect: Dialect, driver: Any, stmt: Stmt) -> list[Any]:

@@ -71,9 +71,12 @@ def mutate(message: Any) -> None:
 def test_copies_are_equal_and_share_nothing() -> None:
     cache = ItemObjects()
     original = rich_ai(1)
+    once = SERDE.loads_typed(SERDE.dumps_typed(original))
+    assert cache.keep(b"d" * 16, once, 100) is once  # a first decode is only noted
+    assert len(cache) == 0 and cache.copies([b"d" * 16]) == ([None], [0])
     decoded = SERDE.loads_typed(SERDE.dumps_typed(original))
-    handed = cache.keep(b"d" * 16, decoded, 100)
-    assert handed is not decoded and handed == decoded
+    handed = cache.keep(b"d" * 16, decoded, 100)  # the second is remembered
+    assert handed is not decoded and handed == decoded and len(cache) == 1
     (first, second), missing = cache.copies([b"d" * 16, b"d" * 16])
     assert missing == []
     assert first is not second and first == second == original
@@ -98,6 +101,7 @@ def test_copies_are_equal_and_share_nothing() -> None:
 def test_only_messages_of_plain_data_are_remembered(value: Any) -> None:
     cache = ItemObjects()
     assert cache.keep(b"e" * 16, value, 10) is value
+    assert cache.keep(b"e" * 16, value, 10) is value
     assert len(cache) == 0
     assert cache.copies([b"e" * 16]) == ([None], [0])
 
@@ -105,13 +109,16 @@ def test_only_messages_of_plain_data_are_remembered(value: Any) -> None:
 def test_bound_evicts_the_oldest_and_zero_remembers_nothing() -> None:
     cache = ItemObjects(max_bytes=3 * (4 * 100 + 1024))
     for i in range(5):
-        cache.keep(bytes([i]) * 16, HumanMessage(f"m{i}"), 100)
+        for _decode in range(2):
+            cache.keep(bytes([i]) * 16, HumanMessage(f"m{i}"), 100)
     assert len(cache) == 3
     _, missing = cache.copies([bytes([i]) * 16 for i in range(5)])
     assert missing == [0, 1]
     off = ItemObjects(max_bytes=0)
     message = HumanMessage("m")
-    assert off.keep(b"f" * 16, message, 10) is message and len(off) == 0
+    for _decode in range(2):
+        assert off.keep(b"f" * 16, message, 10) is message
+    assert len(off) == 0
 
 
 def put_thread(saver: Any, values: list[list[Any]]) -> list[Any]:
@@ -145,7 +152,7 @@ def test_saver_reads_equal_a_plain_saver_and_callers_share_nothing(
         configs = put_thread(ours, values)
         peer_configs = put_thread(peer, values)
         with SQLAlchemySaver.from_conn_string(db_url) as reader:
-            for _round in range(2):  # decoded, then copies of remembered items
+            for _round in range(3):  # decoded, decoded and remembered, then copies
                 for config, peer_config in zip(configs, peer_configs, strict=True):
                     got, want = reader.get_tuple(config), peer.get_tuple(peer_config)
                     assert got is not None and want is not None
