@@ -76,3 +76,29 @@ def test_a_failed_call_returns_its_connection_to_the_pool(db_url: str) -> None:
         with engine.begin() as conn:
             conn.execute(text("ALTER TABLE checkpoint_writes_gone RENAME TO checkpoint_writes"))
         assert saver.get_tuple(config) is not None
+
+
+def test_engines_of_one_dialect_share_compiled_statements(db_url: str, tmp_path: Any) -> None:
+    """A second saver (a new engine, as a saver per request makes) reuses the first one's
+    compiled hot statements; SQLite and PostgreSQL never share one."""
+    from langgraph_kvcache.checkpoint import plain, queries
+
+    plain._COMPILED.clear()
+    latest = {"configurable": {"thread_id": "t1", "checkpoint_ns": ""}}
+    with _saver(db_url) as (_, first, _config):
+        assert first.get_tuple(latest) is not None
+        shape = plain._dialect_shape(first.engine.dialect)
+        dialect = first.engine.dialect.name
+        compiled = plain._COMPILED[(shape, queries.get_latest(dialect))]
+        before = len(plain._COMPILED)
+        with _saver(db_url) as (_, second, _config2):
+            assert second.engine.dialect is not first.engine.dialect
+            assert second.get_tuple(latest) is not None
+            assert plain._dialect_shape(second.engine.dialect) == shape
+            assert plain._COMPILED[(shape, queries.get_latest(dialect))] is compiled
+            assert len(plain._COMPILED) == before
+    other = f"sqlite:///{tmp_path / 'other.db'}" if dialect == "postgresql" else None
+    if other is not None:
+        with _saver(other) as (_, third, _config3):
+            assert third.get_tuple(latest) is not None
+            assert plain._dialect_shape(third.engine.dialect) != shape
