@@ -94,7 +94,6 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         snapshot_every: int | None = None,
     ) -> None:
         super().__init__(serde=serde)
-        self._init_lists(snapshot_every)
         options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if not hasattr(engine, "sync_engine"):
             raise TypeError("AsyncSQLAlchemySaver needs an AsyncEngine; use SQLAlchemySaver")
@@ -105,6 +104,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
         prepare_engine(engine.sync_engine)
         self.engine = engine
         self.dialect = engine.dialect.name
+        self._init_lists(snapshot_every)
         self._lock: AbstractAsyncContextManager[Any] = (
             asyncio.Lock() if isinstance(engine.sync_engine.pool, StaticPool) else nullcontext()
         )

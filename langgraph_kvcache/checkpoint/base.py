@@ -71,9 +71,12 @@ class BaseSQLAlchemySaver(ThreadMaintenance, LifecycleHooks, BaseCheckpointSaver
     """Append-aware list storage state (:mod:`.lists`)."""
 
     def _init_lists(self, snapshot_every: int | None) -> None:
-        """Set up :attr:`lists`; ``snapshot_every`` as documented on the savers."""
+        """Set up :attr:`lists` (after :attr:`dialect`); ``snapshot_every`` as documented on the
+        savers. New items and bodies are compressed on the dialects of
+        :data:`compress.COMPRESSED_DIALECTS`."""
         every = DEFAULT_SNAPSHOT_EVERY if snapshot_every is None else snapshot_every
-        self.lists = ListState(self.serde, every)
+        compressed = self.dialect in compress.COMPRESSED_DIALECTS
+        self.lists = ListState(self.serde, every, compressed=compressed)
 
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         """Next channel version: ``"<32-digit counter>.<random>"``, like the PostgreSQL saver."""

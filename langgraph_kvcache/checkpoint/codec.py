@@ -126,7 +126,7 @@ def checkpoint_row(
         "channel_values": inline,
         "channel_versions": {ch: v for ch, v in versions.items() if ch not in blob_versions},
     }
-    type_, data = compress.pack(*serde.dumps_typed(body))
+    type_, data = compress.pack(*serde.dumps_typed(body), compressed=lists.compressed)
     run_id = metadata.get("run_id")
     row = {
         "thread_id": thread_id,

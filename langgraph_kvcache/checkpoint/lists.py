@@ -81,6 +81,8 @@ class ListState:
         item_cache_bytes: Bound of the remembered serialized items.
         object_cache_bytes: Bound of the remembered decoded items (chat messages handed out as
             copies, :mod:`.item_objects`), in estimated bytes; ``0`` decodes every read.
+        compressed: Store new items (and, through :func:`codec.checkpoint_row`, checkpoint
+            bodies) compressed when it pays (:mod:`.compress`).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class ListState:
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
         item_cache_bytes: int = ITEM_CACHE_BYTES,
         object_cache_bytes: int = OBJECT_CACHE_BYTES,
+        compressed: bool = True,
     ) -> None:
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(
@@ -97,6 +100,7 @@ class ListState:
             )
         self.serde = serde
         self.snapshot_every = snapshot_every
+        self.compressed = compressed
         self.anchor_every = max(2, math.isqrt(snapshot_every))
         """Every ``anchor_every``-th version of a chain (an anchor) lists all items since the
         snapshot; the others (leaves) those since the last anchor, so reads follow at most two
@@ -291,7 +295,7 @@ class ListState:
         ``EncryptedSerializer``, compressed when it pays: :mod:`.compress`), remembered."""
         typed = self.serde.dumps_typed(value) if self._encrypted else plain
         self.items.put(digest, typed)
-        stored_type, data = compress.pack(*typed)
+        stored_type, data = compress.pack(*typed, compressed=self.compressed)
         return {
             "thread_id": thread_id,
             "checkpoint_ns": ns,

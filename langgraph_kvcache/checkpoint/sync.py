@@ -92,7 +92,6 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         snapshot_every: int | None = None,
     ) -> None:
         super().__init__(serde=serde)
-        self._init_lists(snapshot_every)
         options = resolve_options(kv_server, kv_api_key, ttl_seconds)
         if hasattr(engine, "sync_engine"):
             raise TypeError("SQLAlchemySaver needs a sync Engine; use AsyncSQLAlchemySaver")
@@ -103,6 +102,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         prepare_engine(engine)
         self.engine = engine
         self.dialect = engine.dialect.name
+        self._init_lists(snapshot_every)
         # One shared connection (``:memory:``) must not run two transactions at once.
         self._lock: AbstractContextManager[Any] = (
             threading.Lock() if isinstance(engine.pool, StaticPool) else nullcontext()
