@@ -10,13 +10,14 @@ caller: mutating a returned message changes neither.
 Only values whose copy is provably equal to a fresh decode are remembered: instances of
 LangChain's ``BaseMessage`` subclasses (pydantic v2 models) whose field values, extra fields
 and private attributes are plain data (``str``, ``int``, ``float``, ``bool``, ``None``,
-``bytes``, and ``dict`` with ``str`` keys / ``list`` of those, any depth). A copy is pydantic's
-shallow ``__copy__`` (new ``__dict__``, fields set, extra and private maps) with every ``dict``
-and ``list`` value copied all the way down, so it has the same type, the same field values and
-the same fields set as the object the decode built; it serializes to the same bytes (and an
-object whose first copy is not equal to it is not remembered). Anything
+``bytes``, and ``dict`` with ``str`` keys / ``list`` of those, any depth). A copy is what
+pydantic's shallow ``__copy__`` makes (new ``__dict__``, fields set, extra and private maps)
+with every ``dict`` and ``list`` value copied all the way down, so it has the same type, the
+same field values and the same fields set as the object the decode built, and serializes to
+the same bytes; an object whose first copy is not equal to it is not remembered. Anything
 else (a message carrying another object, a non-message item) is decoded on every read, as
-before. Thread-safe; bounded by an estimate of the objects' memory (oldest entries go first).
+before. An item is remembered on its second decode (:data:`SEEN_ENTRIES`). Thread-safe;
+bounded by an estimate of the objects' memory (oldest entries go first).
 """
 
 from __future__ import annotations
