@@ -307,7 +307,7 @@ def make_tuple(
             continue
         if stored[0] == ITEMS_TYPE:
             state = lists.chain_digests(thread_id, ns, channel, str(version), blobs)
-            values[channel] = lists.decode_version(thread_id, ns, channel, state, items)
+            values[channel] = lists.decode(state.digests, items)
             known[channel] = state
         else:
             values[channel] = serde.loads_typed((stored[0], stored[1]))

@@ -89,7 +89,7 @@ def _mutable_fields(obj: Any) -> tuple[str, ...] | None:
     return tuple(k for k, v in state.items() if type(v) in (dict, list))
 
 
-def _charge(obj: Any, size: int) -> int:
+def _charge(size: int) -> int:
     """Estimated memory of a remembered object decoded from ``size`` serialized bytes."""
     return 4 * size + 1024
 
@@ -168,7 +168,7 @@ class ItemObjects:
                 return obj
             del self._seen[digest]
         mutable = _mutable_fields(obj)
-        charge = _charge(obj, size)
+        charge = _charge(size)
         if mutable is None or charge > self.max_bytes:
             return obj
         entry = _Entry(obj, mutable, charge)

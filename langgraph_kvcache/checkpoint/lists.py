@@ -358,17 +358,6 @@ class ListState:
             anchor = (versions[1], totals[-2])
         return ListVersion(version, digests, count, root, anchor)
 
-    def decode_version(
-        self,
-        thread_id: str,
-        ns: str,
-        channel: str,
-        state: ListVersion,
-        items: Mapping[bytes, tuple[str, bytes]],
-    ) -> list[Any]:
-        """The value of the stored list version ``state`` (as :meth:`decode`)."""
-        return self.decode(state.digests, items)
-
     def decode(self, digests: bytes, items: Mapping[bytes, tuple[str, bytes]]) -> list[Any]:
         """The list whose items have ``digests``: copies of the items decoded before
         (:class:`ItemObjects`), the others decoded from this saver's memory of their bytes or
@@ -382,22 +371,17 @@ class ListState:
         if not missing:
             return out
         wanted = [split[i] for i in missing]
-        joined = self.items.msgpack_bytes(wanted)
-        if joined is not None:  # the common case, in one pass
-            data = msgpack_array_header(len(wanted)) + joined
+        remembered = self.items.get
+        typed = [remembered(d) or items.get(d) for d in wanted]
+        if None in typed:
+            raise MissingItems(wanted[typed.index(None)])
+        if all(t[0] == "msgpack" for t in typed):  # type: ignore[index]
+            # The common case: their bytes behind an array header are one msgpack list.
+            data = msgpack_array_header(len(typed)) + b"".join([t[1] for t in typed])  # type: ignore[index]
             decoded = self.serde.loads_typed(("msgpack", data))
-            sizes = [len((self.items.get(d) or ("", b""))[1]) for d in wanted]
         else:
-            remembered = self.items.get
-            typed = [remembered(d) or items.get(d) for d in wanted]
-            if None in typed:
-                raise MissingItems(wanted[typed.index(None)])
-            sizes = [len(t[1]) for t in typed]  # type: ignore[index]
-            if all(t[0] == "msgpack" for t in typed):  # type: ignore[index]
-                data = msgpack_array_header(len(typed)) + b"".join([t[1] for t in typed])  # type: ignore[index]
-                decoded = self.serde.loads_typed(("msgpack", data))
-            else:
-                decoded = [self.serde.loads_typed(t) for t in typed]  # type: ignore[arg-type]
+            decoded = [self.serde.loads_typed(t) for t in typed]  # type: ignore[arg-type]
+        sizes = [len(t[1]) for t in typed]  # type: ignore[index]
         keep = self.objects.keep
         for i, digest, obj, size in zip(missing, wanted, decoded, sizes, strict=True):
             out[i] = keep(digest, obj, size)
