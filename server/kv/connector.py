@@ -9,19 +9,20 @@ translates vLLM's objects into the plain ones those classes take.
 
 The connector is a best-effort cache: a block that cannot be loaded is recomputed, so it sets
 ``kv_load_failure_policy="recompute"`` on the transfer config (vLLM's default would fail the
-request). It supports one KV cache group and tensor parallelism (``--tensor-parallel-size``):
-the scheduler side stays one and plans for every rank; each rank's worker moves its own
-shard of heads (its RAM pool holds its share of every slot, its own block files and Redis
-keys) and reports with its rank; :class:`~server.kv.ranks.RankTally` counts an event done once
-every rank reported it. The manifest records the TP size, so blocks written with another TP
-size are never read. Pipeline and context parallelism are refused (:func:`check_parallel`).
+request). It serves one KV cache group of paged attention (elsewhere, and where vLLM
+disabled prefix caching, it offers nothing: :mod:`server.kv.layout`) and tensor parallelism
+(``--tensor-parallel-size``): the scheduler side stays one and plans for every rank; each
+rank's worker moves its own shard of heads (its RAM pool holds its share of every slot, its own
+block files and Redis keys) and reports with its rank; :class:`~server.kv.ranks.RankTally`
+counts an event done once every rank reported it. The manifest records the TP size, so blocks
+written with another TP size are never read.
+Pipeline and context parallelism are refused (:func:`check_parallel`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,16 +40,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from server.kv.layout import build_manifest, why_no_reuse
 from server.kv.metadata import StepPlan, WorkerReport
 from server.kv.ranks import RankTally, check_parallel
 from server.kv.recovery import DiskSpace, check_budgets, forget_unregistered_files
 from server.kv.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
 from server.kv.stats import SessionKVPromMetrics, SessionKVStats
-from server.kv.tiers.disk import DiskStore, Manifest, block_file_bytes
+from server.kv.tiers.disk import DiskStore, block_file_bytes
 from server.kv.tiers.redis import RedisStore
 from server.kv.usage import LoadAccounting
-from server.kv.weights import weights_fingerprint
 from server.kv.worker import SessionKVWorker
 from server.logs import use_vllm_logging
 
@@ -92,36 +93,6 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def build_manifest(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
-) -> Manifest:
-    """The layout both sides agree on, derived from vLLM's KV cache config alone (the spec
-    describes one rank's shard: vLLM divides the KV heads between tensor-parallel ranks)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"SessionKVConnector supports models with one KV cache group, got {len(groups)}"
-        )
-    spec = groups[0].kv_cache_spec
-    layers = tuple(groups[0].layer_names)
-    algo = vllm_config.cache_config.prefix_caching_hash_algo
-    seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
-    return Manifest(
-        model_id=settings.model_id or str(vllm_config.model_config.model),
-        weights=weights_fingerprint(
-            str(vllm_config.model_config.model), vllm_config.model_config.revision
-        ),
-        dtype=str(spec.dtype),
-        block_size=int(spec.block_size),
-        layers=layers,
-        layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
-        hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
-        offload_dtype=settings.offload_dtype,
-        kv_heads=int(getattr(spec, "num_kv_heads", 1)),  # where int8/fp8 scales go
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-    )
-
-
 def _files_at_start(store: DiskStore | None, settings: ConnectorSettings) -> dict[str, int]:
     """The sound block files the disk tier starts with (damaged ones deleted, and all of them
     when the session registry vanished: no session could reach or delete them)."""
@@ -152,6 +123,15 @@ class SessionKVConnector(KVConnectorBase_V1):
                     "(a block that fails to load is recomputed, never an error)"
                 )
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        reason = why_no_reuse(vllm_config, kv_cache_config)
+        if reason is not None:
+            # Offer nothing rather than a wrong answer: no tier holds or finds a block; the
+            # session registry and its API keep working.
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("SessionKVConnector: %s; it keeps and offers no KV", reason)
+            self.settings = dataclasses.replace(
+                self.settings, ram_bytes=0, disk_bytes=0, redis_url=None
+            )
         manifest = build_manifest(vllm_config, kv_cache_config, self.settings)
         self._num_blocks = kv_cache_config.num_blocks
         # Budgets count a block over every rank; each rank's pool holds its share of a slot.

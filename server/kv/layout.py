@@ -1,0 +1,72 @@
+"""The KV layout vLLM hands the connector: whether the connector can serve it, and its manifest.
+
+Both roles derive the same :class:`Manifest` from vLLM's config alone, so the scheduler side and
+every worker agree on block size, layers and bytes without talking. Before that,
+:func:`why_no_reuse` says whether reusing stored KV can be correct at all: where vLLM itself
+disabled prefix caching (MLA on CPU, or ``--no-enable-prefix-caching``), or the KV layout is
+one the connector does not know, a loaded block could be read wrongly, so the connector keeps
+and offers nothing (a miss is slower, never wrong).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING
+
+from server.kv.settings import ConnectorSettings
+from server.kv.tiers.disk import Manifest
+from server.kv.weights import weights_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+SERVED_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"})
+"""vLLM KV cache spec classes (exact types) whose blocks the connector saves and loads whole:
+paged attention K/V (or MLA's latent) of ``page_size_bytes`` per block and layer."""
+
+
+def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why the connector must offer no stored KV for this engine, or None when it can."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        mla = vllm_config.model_config is not None and vllm_config.model_config.use_mla
+        return (
+            "vLLM disabled prefix caching for this model"
+            + (" (MLA on this platform: vLLM cannot resume it from cached tokens)" if mla else "")
+            + ", so a stored prefix could not be resumed correctly"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return f"the model has {len(groups)} KV cache groups; the connector serves one"
+    kind = type(groups[0].kv_cache_spec).__name__
+    if kind not in SERVED_SPECS:
+        return f"its KV cache layout ({kind}) is not one it can save and load"
+    return None
+
+
+def build_manifest(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+) -> Manifest:
+    """The layout both sides agree on, derived from vLLM's KV cache config alone (the spec
+    describes one rank's shard: vLLM divides the KV heads between tensor-parallel ranks). Of
+    several groups (only where :func:`why_no_reuse` turned the tiers off) the first."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    layers = tuple(group.layer_names)
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+    return Manifest(
+        model_id=settings.model_id or str(vllm_config.model_config.model),
+        weights=weights_fingerprint(
+            str(vllm_config.model_config.model), vllm_config.model_config.revision
+        ),
+        dtype=str(spec.dtype),
+        block_size=int(spec.block_size),
+        layers=layers,
+        layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
+        hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
+        offload_dtype=settings.offload_dtype,
+        kv_heads=int(getattr(spec, "num_kv_heads", 1)),  # where int8/fp8 scales go
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+    )

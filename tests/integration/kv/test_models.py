@@ -1,0 +1,58 @@
+"""Architectures beyond Llama, each on its own engine process (tiny random-weight models whose
+text depends on the context, :mod:`server.tiny_models`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kv_engine import engine_kwargs, run_engine_script
+
+from server.kv.registry import Registry
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="session")
+def mla_model_dir(smollm2_dir: Path) -> Path:
+    from server.tiny_models import build_tiny_arch
+
+    return build_tiny_arch("deepseek_v2", tokenizer_from=smollm2_dir)
+
+
+def test_mla_on_cpu_gets_no_cached_tokens_and_the_cache_off_answers(
+    mla_model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM disables prefix caching for MLA on CPU (it cannot resume MLA from cached tokens
+    there): the connector offers nothing, so turns 2 and 3 of a conversation whose history
+    it would otherwise hold are computed in full and equal the cache-off run token for token
+    (before the fix they read cached tokens and their logprobs were off by up to 0.77)."""
+    engine = engine_kwargs(mla_model_dir, tmp_path / "cache")
+    del engine["block_size"]  # MLA's own block size on CPU (16)
+    # the reference CPU MLA backend, for which vLLM disables prefix caching (the AMX one
+    # takes only 16-bit weights)
+    engine["attention_backend"] = "CPU_MLA"
+    prompt = [400 + (i * 37) % 3000 for i in range(300)]
+    turns = [
+        {"prompt": prompt, "session": "m", "max_tokens": 16},
+        {"continue": list(range(900, 940)), "session": "m", "reset": True, "max_tokens": 16},
+        {"continue": list(range(1900, 1920)), "session": "m", "reset": True, "max_tokens": 16},
+    ]
+    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
+    ref_turns = [
+        {"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 16},
+        {"prompt": hit[2]["prompt"], "cache": False, "max_tokens": 16},
+    ]
+    ref = run_engine_script({"engine": engine, "turns": ref_turns}, tmp_path)
+    assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
+    for got, want in zip(hit[1:], ref, strict=True):
+        assert got["num_cached_tokens"] == 0
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    reg = Registry(tmp_path / "cache" / "sessions.sqlite3")
+    try:
+        assert not any(v for k, v in reg.stats().items() if k.startswith("lgkv_hit_")), (
+            "no tier may serve a block"
+        )
+    finally:
+        reg.close()
