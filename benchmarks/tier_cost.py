@@ -47,23 +47,6 @@ def _metric_mean(text: str, name: str) -> float:
     return total / count if count else float("nan")
 
 
-def plain_vllm_process() -> type:
-    """:class:`~examples.server_process.ServerProcess` running plain vLLM's OpenAI server on the
-    same model (served under the same name) instead of ``python -m server``."""
-    from examples.server_process import ServerProcess, locate_model
-
-    class PlainVllm(ServerProcess):
-        def command(self) -> list[str]:
-            model = self.model or locate_model(self.progress)
-            return [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", "SmolLM2-135M-Instruct", "--port", str(self.port),
-                *self.flags,
-            ]  # fmt: skip
-
-    return PlainVllm
-
-
 def run(url: str, model: str, prompts: list[str], max_tokens: int, warmup: int) -> list[float]:
     """Send each prompt as a new session, one at a time; return the latencies after warm-up."""
     latencies: list[float] = []
@@ -85,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from multi_turn import _wiki_paragraphs
 
-    from examples.server_process import ServerProcess, equal_cores_env
+    from examples.server_process import PlainVllmProcess, ServerProcess, equal_cores_env
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=24)
@@ -113,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.variants:
         flags = [*common, *VARIANTS[name]]
         env = equal_cores_env(args.reserved_cpus)
-        process = plain_vllm_process() if name == "vllm" else ServerProcess
+        process = PlainVllmProcess if name == "vllm" else ServerProcess
         with process(flags=flags, progress=say, env=env) as server:
             lat = run(server.url, server.model_name, prompts, args.max_tokens, args.warmup)
             prefill = _metric_mean(httpx.get(f"{server.url}/metrics").text,

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +40,9 @@ from typing import Any
 
 import httpx
 
+from examples.managed import Managed
 from examples.router_process import ROUTER_FLAGS, RouterProcess
-from examples.server_process import Managed, ServerProcess
+from examples.server_process import ServerProcess
 
 __all__ = ["REPLICA_FLAGS", "Cluster", "ensure_redis", "main", "replica_of"]
 
@@ -72,19 +72,48 @@ def replica_of(response_metadata: dict[str, Any]) -> str:
     return str(headers.get(REPLICA_HEADER.lower(), "?"))
 
 
+def _redis_alive(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
+    except redis.exceptions.RedisError:
+        return False
+
+
+class RedisServer(Managed):
+    """A throwaway ``redis-server`` on the port of ``url``, without persistence (for
+    :func:`ensure_redis`)."""
+
+    name = "redis-server"
+
+    def __init__(self, binary: str, url: str, progress: Callable[[str], None] = say) -> None:
+        self.binary, self.redis_url = binary, url
+        self.port = httpx.URL(url).port or 6379
+        self.log_path = Path(tempfile.mkdtemp(prefix="lgkv-redis-")) / "redis.log"
+        self.env = {}
+        self.start_timeout_s = self.stop_timeout_s = 20.0
+        self.progress = progress
+
+    @property
+    def url(self) -> str:
+        """The Redis URL it serves."""
+        return self.redis_url
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
+        return [self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no"]
+
+    def healthy(self) -> bool:
+        """Whether it answers PING."""
+        return _redis_alive(self.redis_url)
+
+
 @contextlib.contextmanager
 def ensure_redis(url: str, progress: Callable[[str], None] = say) -> Iterator[bool]:
     """Yield whether Redis at ``url`` answers; start a throwaway ``redis-server`` for the block
     when nothing does on a local port (stopped afterwards)."""
-    import redis
-
-    def alive() -> bool:
-        try:
-            return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
-        except redis.exceptions.RedisError:
-            return False
-
-    if alive():
+    if _redis_alive(url):
         yield True
         return
     parsed = httpx.URL(url)
@@ -94,21 +123,8 @@ def ensure_redis(url: str, progress: Callable[[str], None] = say) -> Iterator[bo
             f"no Redis answers at {url}; start one (e.g. `redis-server --port "
             f"{parsed.port or 6379}`) or pass --redis-url"
         )
-    progress(f"starting redis-server on port {parsed.port or 6379} for this run")
-    proc = subprocess.Popen(
-        [binary, "--port", str(parsed.port or 6379), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 20
-        while not alive():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on {url}")
-            time.sleep(0.2)
+    with RedisServer(binary, url, lambda m: progress(f"redis-server for this run: {m}")):
         yield True
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 class Cluster(Managed):

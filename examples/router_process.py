@@ -27,10 +27,7 @@ Its output goes to ``<log_dir>/router.log`` (a temp folder by default).
 
 from __future__ import annotations
 
-import atexit
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from examples.server_process import Managed, _die_with_parent, free_port
+from examples.managed import Managed, StartError, free_port
 
 __all__ = ["ROUTER_FLAGS", "RouterProcess", "RouterStartError"]
 
@@ -68,12 +65,17 @@ def say(msg: str) -> None:
     print(f"[router] {msg}", flush=True)
 
 
-class RouterStartError(RuntimeError):
+class RouterStartError(StartError):
     """The router exited or did not become ready; the message holds the log's tail."""
 
 
 class RouterProcess(Managed):
     """One ``vllm-router`` child process on a local port (see the module doc)."""
+
+    name = "vllm-router"
+    ready_path = "/readiness"
+    unhealthy_hint = " (are the replicas healthy?)"
+    start_error = RouterStartError
 
     def __init__(
         self,
@@ -107,10 +109,10 @@ class RouterProcess(Managed):
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="lgkv-router-")) / "router.log"
+        self.env = {"RUST_LOG_STYLE": "never"}
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.progress = progress
-        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def metrics_url(self) -> str:
@@ -126,16 +128,14 @@ class RouterProcess(Managed):
             "--worker-urls", *self.worker_urls, *self.flags,
         ]  # fmt: skip
 
-    def start(self) -> RouterProcess:
-        """Start the router and wait until ``/readiness`` answers 200.
+    def start(self, wait: bool = True) -> RouterProcess:
+        """Start the router and (with ``wait``) wait until ``/readiness`` answers 200.
 
         Raises:
             RouterStartError: the process exited, or was not ready after ``start_timeout_s``
                 (it is stopped first); the message holds the log's last lines. Without the
                 ``vllm-router`` package the message says what to install.
         """
-        if self.running:
-            return self
         try:
             import vllm_router  # noqa: F401
         except ImportError:
@@ -143,43 +143,7 @@ class RouterProcess(Managed):
                 "the vllm-router package is missing: pip install 'langgraph-kvcache[router]' "
                 "(or `make setup`)"
             ) from None
-        self.progress(f"starting vllm-router on {self.url} for {', '.join(self.worker_urls)}")
-        self.progress(f"log: {self.log_path}")
-        atexit.register(self.stop)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self.command(), env={**os.environ, "RUST_LOG_STYLE": "never"},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )  # fmt: skip
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RouterStartError(
-                    f"vllm-router exited with code {self._proc.returncode} while starting; "
-                    f"last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + "/readiness", timeout=2).status_code == 200:
-                    self.progress(f"ready at {self.url}")
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RouterStartError(
-            f"vllm-router was not ready after {self.start_timeout_s:.0f}s (are the replicas "
-            f"healthy?); last lines of {self.log_path}:\n{self.log_tail()}"
-        )
+        return super().start(wait)
 
     def workers(self) -> dict[str, bool]:
         """Each replica URL and whether the router counts it healthy now (``GET /workers``)."""

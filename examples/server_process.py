@@ -25,8 +25,13 @@ with ServerProcess(cache_dir=tmp, flags=["--max-model-len", "4096"]) as server:
   Linux the server also gets SIGTERM when the thread that started it dies (a killed kernel),
   so call :meth:`ServerProcess.start` from a thread that lives as long as the server.
 
-The server's output goes to ``<log_dir>/server.log`` (a temp folder by default), never to
-the caller's terminal.
+The server's output goes to ``<log_dir>/server.log`` (a temp folder by default; ``log_name``
+renames it), never to the caller's terminal. Starting, waiting and stopping are
+:class:`examples.managed.Managed`'s, shared with the router and Redis helpers.
+
+:class:`PlainVllmProcess` takes the same arguments and runs plain vLLM's own OpenAI server
+(``python -m vllm.entrypoints.openai.api_server``) on the same model, under the same served
+name, with the flags given: what the benchmarks compare this server with.
 
 Comparisons (the benchmarks, ``make demo``) give every server the same CPU cores:
 :func:`equal_cores_env` is the environment to start each with, :func:`omp_cores` reads back from a
@@ -37,26 +42,21 @@ one core for its scheduler process without a KV connector and none with one on a
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TypeVar
 
 import httpx
+
+from examples.managed import Managed, StartError, free_port, log_tail
 
 __all__ = [
     "RESERVED_CPUS",
     "Managed",
+    "PlainVllmProcess",
     "ServerProcess",
     "ServerStartError",
     "equal_cores_env",
@@ -66,7 +66,6 @@ __all__ = [
     "omp_cores",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -108,103 +107,13 @@ def omp_cores(log: Path | str) -> str:
     return f"OMP core ids {cores}, reserved {reserved} (bind {bind}, reserve_cpu_num={num})"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec, on Linux: get SIGTERM when the parent dies, so a killed
-    script or notebook kernel leaves no server behind (``PR_SET_PDEATHSIG``)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    """The last ``lines`` lines of a child's log file (``""`` before it exists)."""
-    if not path.is_file():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-_M = TypeVar("_M", bound="Managed")
-
-
-class Managed:
-    """A child process the helpers start and stop: ``with`` support (enter starts, exit
-    stops, always), its URL, and one way of stopping it (SIGTERM, then SIGKILL of its
-    process group). Subclasses set ``port``, ``log_path``, ``stop_timeout_s`` and
-    ``progress``, and implement :meth:`start`, which puts the child in ``_proc``."""
-
-    port: int
-    log_path: Path
-    stop_timeout_s: float
-    progress: Callable[[str], None]
-    _proc: subprocess.Popen[bytes] | None = None
-
-    def start(self: _M) -> _M:
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:
-        """Root URL, e.g. ``http://127.0.0.1:41234`` (``ChatKVCache`` wants ``url + "/v1"``)."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        """True while the child process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait (clean shutdown), SIGKILL of the process group if it hangs.
-
-        Returns the exit code (``None`` if it was not running). A clean stop reads 0 or -15
-        (uvicorn re-raises the SIGTERM it handled).
-        """
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        atexit.unregister(self.stop)
-        if proc.poll() is None:
-            self.progress("stopping...")
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                self.progress(f"no exit after {self.stop_timeout_s:.0f}s: SIGKILL")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-            clean = proc.returncode in (0, -signal.SIGTERM)
-            self.progress("stopped cleanly" if clean else f"exited with {proc.returncode}")
-        return proc.returncode
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the child's log."""
-        return log_tail(self.log_path, lines)
-
-    def __enter__(self: _M) -> _M:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class ServerStartError(RuntimeError):
+class ServerStartError(StartError):
     """The server exited or stayed unhealthy while starting; the message holds the log's tail."""
 
 
 def say(msg: str) -> None:
     """Default progress printer."""
     print(f"[server] {msg}", flush=True)
-
-
-def free_port() -> int:
-    """A local TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def locate_model(progress: Callable[[str], None] = say) -> Path:
@@ -219,14 +128,20 @@ def locate_model(progress: Callable[[str], None] = say) -> Path:
 class ServerProcess(Managed):
     """One ``python -m server`` child process on a free port (see the module doc)."""
 
+    name = "the server"
+    loading = "loading the engine"
+    start_error = ServerStartError
+
     def __init__(
         self,
         cache_dir: Path | str | None = None,
         flags: Sequence[str] = (),
         *,
         model: Path | str | None = None,
+        served_name: str | None = None,
         port: int | None = None,
         log_dir: Path | str | None = None,
+        log_name: str = "server.log",
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
@@ -242,8 +157,11 @@ class ServerProcess(Managed):
                 ``["--max-model-len", "4096", "--kv-cache-memory-bytes", "256MiB"]``.
             model: model folder, served under its path; ``None``: the default SmolLM2 folder
                 (built if missing), served as ``SmolLM2-135M-Instruct``.
+            served_name: ``--served-model-name`` (what clients send as ``model``); ``None``:
+                the names above.
             port: TCP port; ``None``: a free one.
-            log_dir: folder of ``server.log``; ``None``: a new temp folder.
+            log_dir: folder of the log; ``None``: a new temp folder.
+            log_name: the log's file name in ``log_dir``.
             env: environment variables for the child that beat ``os.environ``, e.g.
                 :func:`equal_cores_env` for a comparison.
             start_timeout_s: how long :meth:`start` waits for ``/health``.
@@ -251,104 +169,47 @@ class ServerProcess(Managed):
             progress_every_s: seconds between "still loading" lines while starting.
             progress: where progress lines go (``print`` with a ``[server]`` prefix).
         """
-        self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="lgkv-cache-"))
+        self._cache_dir = Path(cache_dir) if cache_dir else None
         self.flags = list(flags)
         self.model = Path(model) if model is not None else None
+        self.served_name = served_name
         self.port = port or free_port()
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="lgkv-log-")) / "server.log"
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="lgkv-log-")) / log_name
         self.env = dict(env or {})
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.progress_every_s = progress_every_s
         self.progress = progress
-        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def cache_dir(self) -> Path:
+        """The ``--cache-dir``; without one given, a temp folder made on first use."""
+        if self._cache_dir is None:
+            self._cache_dir = Path(tempfile.mkdtemp(prefix="lgkv-cache-"))
+        return self._cache_dir
 
     @property
     def model_name(self) -> str:
         """The served model name (``GET /v1/models``), what ``ChatKVCache(model=...)`` sends."""
         return str(httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
-    def command(self) -> list[str]:
-        """The command line :meth:`start` runs."""
+    def child_env(self) -> dict[str, str]:
+        """:data:`SERVER_ENV`, ``os.environ`` over it, ``env`` over both."""
+        return {**SERVER_ENV, **os.environ, **self.env}
+
+    def _model_flags(self) -> list[str]:
+        """``--model`` and ``--served-model-name`` where given (the server names its default)."""
         if self.model is None:
             locate_model(self.progress)  # the server serves it as "SmolLM2-135M-Instruct"
-            model_flags = []
-        else:
-            model_flags = ["--model", str(self.model)]
+        model = ["--model", str(self.model)] if self.model is not None else []
+        return [*model, *(["--served-model-name", self.served_name] if self.served_name else [])]
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
         return [
-            sys.executable, "-m", "server", "serve", *model_flags,
+            sys.executable, "-m", "server", "serve", *self._model_flags(),
             "--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.flags,
         ]  # fmt: skip
-
-    def start(self, wait: bool = True) -> ServerProcess:
-        """Start the server and (with ``wait``) wait until ``/health`` answers 200.
-
-        Raises:
-            ServerStartError: the process exited, or was not healthy after ``start_timeout_s``
-                (the process is stopped first); the message holds the log's last lines.
-        """
-        if self.running:
-            return self
-        cmd = self.command()
-        env = {**SERVER_ENV, **os.environ, **self.env}
-        self.progress(f"starting: python {' '.join(cmd[1:])}")
-        self.progress(f"log: {self.log_path}")
-        atexit.register(self.stop)  # a kernel or script that dies mid-way still stops it
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )  # fmt: skip
-        if wait:
-            self.wait_healthy()
-        return self
-
-    def wait_healthy(self) -> ServerProcess:
-        """Wait until the started server's ``/health`` answers 200 (see :meth:`start`); stop
-        it and raise :class:`ServerStartError` if it exits or stays unhealthy."""
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_healthy(self) -> None:
-        assert self._proc is not None
-        t0 = last = time.monotonic()
-        while time.monotonic() - t0 < self.start_timeout_s:
-            if self._proc.poll() is not None:
-                raise ServerStartError(
-                    f"the server exited with code {self._proc.returncode} while starting; "
-                    f"last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.progress(f"ready at {self.url} after {time.monotonic() - t0:.0f}s")
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - last >= self.progress_every_s:
-                self.progress(f"loading the engine... {time.monotonic() - t0:.0f}s")
-                last = time.monotonic()
-            time.sleep(0.25)
-        raise ServerStartError(
-            f"the server was not healthy after {self.start_timeout_s:.0f}s; raise "
-            f"start_timeout_s or read {self.log_path}:\n{self.log_tail()}"
-        )
-
-    def kill(self) -> None:
-        """Crash the server: SIGKILL to its process group (API server and engine core)."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        atexit.unregister(self.stop)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        self.progress(f"killed (SIGKILL to process group {proc.pid})")
 
     def restart(self) -> ServerProcess:
         """Stop, then start again on the same port and cache dir."""
@@ -358,3 +219,29 @@ class ServerProcess(Managed):
     def omp_cores(self) -> str:
         """The cores its engine bound OpenMP threads to, from its log (:func:`omp_cores`)."""
         return omp_cores(self.log_path)
+
+
+class PlainVllmProcess(ServerProcess):
+    """Plain vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``, prefix
+    caching on) as a child process: what this server is measured against. It takes the
+    arguments of :class:`ServerProcess` and serves the same model under the same name; port,
+    health wait, log, stop, environment and :meth:`omp_cores` are the same. ``flags`` go to
+    vLLM as they are (none of this server's own); ``cache_dir`` is not used."""
+
+    name = "plain vLLM"
+
+    def _model_flags(self) -> list[str]:
+        """As :class:`ServerProcess` serves them: the default model as SmolLM2-135M-Instruct."""
+        from server.model import DEFAULT_MODEL_NAME
+
+        if self.model is not None:
+            return super()._model_flags()
+        name = self.served_name or DEFAULT_MODEL_NAME
+        return ["--model", str(locate_model(self.progress)), "--served-model-name", name]
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self._model_flags(),
+            "--port", str(self.port), *self.flags,
+        ]  # fmt: skip

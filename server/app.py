@@ -10,7 +10,7 @@ namespace of :func:`server.engine.build_vllm_args`, adds
 * our KV metrics on ``/metrics``,
 
 and wraps vLLM's lifespan with one that starts the engine, runs vLLM's ``init_app_state`` and
-opens :class:`server.kv.control.SessionControl`. Nothing heavy happens before the lifespan
+opens :class:`server.kv.registry.control.SessionControl`. Nothing heavy happens before the lifespan
 starts, so the app also runs in-process (``httpx.ASGITransport`` inside
 ``app.router.lifespan_context(app)``).
 """
@@ -141,7 +141,7 @@ def _open_control(config: ServerConfig, engine: Any) -> Any:
         return None
     from server.config import redis_namespace
     from server.engine import resolve_model
-    from server.kv.control import SessionControl
+    from server.kv.registry.control import SessionControl
 
     config.cache_dir.mkdir(parents=True, exist_ok=True)
     control = SessionControl(

@@ -241,7 +241,7 @@ def build_vllm_args(config: ServerConfig) -> argparse.Namespace:
     use_vllm_logging()  # ...so that ours, from the first line on, has its format too
     validate_parsed_serve_args(args)
     if config.kv_offload:
-        from server.kv.ranks import ParallelismNotSupported, check_parallel
+        from server.kv.scheduler.ranks import ParallelismNotSupported, check_parallel
 
         try:
             check_parallel(args)

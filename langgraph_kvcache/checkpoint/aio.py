@@ -43,10 +43,10 @@ from langgraph_kvcache.checkpoint.engine import (
     prepare_engine,
 )
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.kv_keeper import Runner
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions, resolve_options
-from langgraph_kvcache.checkpoint.kv_sessions_aio import AsyncThreadSessions
 from langgraph_kvcache.checkpoint.maintenance import check_prune_args
+from langgraph_kvcache.checkpoint.sessions.aio import AsyncThreadSessions
+from langgraph_kvcache.checkpoint.sessions.keeper import Runner
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions, resolve_options
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
             ``sync_engine`` (WAL, busy timeout, ``BEGIN IMMEDIATE`` for writes).
         serde: Serializer; defaults to ``JsonPlusSerializer``.
         kv_server: URL of a langgraph-kvcache server (or full :class:`KVSessionOptions`): keep
-            its sessions in step with the threads (see :mod:`.kv_sessions`). ``None``: a plain
+            its sessions in step with the threads (see :mod:`.sessions.sync`). ``None``: a plain
             SQL checkpointer.
         kv_api_key: The server's bearer key, when it runs with ``--api-key``.
         ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and

@@ -1,9 +1,9 @@
 """The session lifecycle hooks: the extension point for keeping KV-cache sessions in step.
 
 With ``kv_server=`` a saver maps each (``thread_id``, ``checkpoint_ns``) to a session on the
-KV-cache server (:mod:`.kv_sessions`). The savers call these hooks around each operation that
+KV-cache server (:mod:`.sessions.sync`). The savers call these hooks around each operation that
 reads or changes a thread as a whole; here they do nothing, so a plain saver pays nothing. A
-session-aware subclass (:class:`~.kv_keeper.SessionKeeper`) overrides them.
+session-aware subclass (:class:`~.sessions.keeper.SessionKeeper`) overrides them.
 
 In-transaction hooks: the saver passes its change (an :data:`~.base.Op`) and runs the operation
 the hook returns instead, as one transaction, so what the hook records commits with the change
@@ -25,7 +25,7 @@ After-commit hooks, with what the operation touched (the sync ones for ``SQLAlch
 Store hooks, called by both savers (sync and async alike) after a write committed; they only
 decide and queue work, never wait for it, so the graph's hot path pays nothing:
 
-- ``_after_checkpoint``: ``put``/``aput`` stored a checkpoint (run pins, :mod:`.kv_pins`).
+- ``_after_checkpoint``: ``put``/``aput`` stored a checkpoint (run pins, :mod:`.sessions.pins`).
 - ``_after_task_writes``: ``put_writes``/``aput_writes`` stored a task's writes.
 
 After-commit hooks must not raise for a missing server session; a failure to reach the server

@@ -43,14 +43,14 @@ from langgraph_kvcache.checkpoint.engine import (
     prepare_engine,
 )
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.kv_keeper import Runner
-from langgraph_kvcache.checkpoint.kv_sessions import (
+from langgraph_kvcache.checkpoint.maintenance import check_prune_args
+from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, HeldConnection, run_op, run_plain
+from langgraph_kvcache.checkpoint.sessions.keeper import Runner
+from langgraph_kvcache.checkpoint.sessions.sync import (
     KVSessionOptions,
     ThreadSessions,
     resolve_options,
 )
-from langgraph_kvcache.checkpoint.maintenance import check_prune_args
-from langgraph_kvcache.checkpoint.plain import PLAIN_DRIVERS, HeldConnection, run_op, run_plain
 from langgraph_kvcache.errors import UnsupportedDatabaseError
 
 T = TypeVar("T")
@@ -69,7 +69,7 @@ class SQLAlchemySaver(BaseSQLAlchemySaver):
         serde: Serializer for checkpoints, channel values and writes; defaults to
             ``JsonPlusSerializer``. ``EncryptedSerializer`` works too.
         kv_server: URL of a langgraph-kvcache server (or full :class:`KVSessionOptions`): keep
-            its sessions in step with the threads (see :mod:`.kv_sessions`). ``None``: a plain
+            its sessions in step with the threads (see :mod:`.sessions.sync`). ``None``: a plain
             SQL checkpointer.
         kv_api_key: The server's bearer key, when it runs with ``--api-key``.
         ttl_seconds: Idle time after which threads and their sessions expire (server TTL, and

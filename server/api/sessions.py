@@ -1,4 +1,4 @@
-"""The HTTP session API over :class:`server.kv.control.SessionControl`.
+"""The HTTP session API over :class:`server.kv.registry.control.SessionControl`.
 
 Routes sit under ``/v1`` and so behind the same bearer-key check as the OpenAI routes; each
 request acts for its own tenant (a session of another tenant is a 404). Registry calls are
@@ -38,7 +38,7 @@ from server.api.protocol import (
 )
 
 if TYPE_CHECKING:
-    from server.kv.control import SessionControl
+    from server.kv.registry.control import SessionControl
 
 T = TypeVar("T")
 router = APIRouter(
@@ -69,7 +69,7 @@ async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from server.kv.control import RegistryUnavailable, SessionExists, SessionNotFound
+    from server.kv.registry.control import RegistryUnavailable, SessionExists, SessionNotFound
 
     try:
         return await runner(*args, **kwargs)

@@ -2,10 +2,10 @@
 
 ``server.kv.connector.SessionKVConnector`` is loaded by vLLM through
 ``kv_connector_module_path="server.kv.connector"``; the API process uses
-:mod:`server.kv.control`. Importing this package does not import torch or vLLM.
+:mod:`server.kv.registry.control`. Importing this package does not import torch or vLLM.
 """
 
-from server.kv.control import (
+from server.kv.registry.control import (
     InvalidSessionId,
     Session,
     SessionControl,

@@ -13,7 +13,7 @@ request). It serves one KV cache group of paged attention (elsewhere, and where 
 disabled prefix caching, it offers nothing: :mod:`server.kv.layout`) and tensor parallelism
 (``--tensor-parallel-size``): the scheduler side stays one and plans for every rank; each
 rank's worker moves its own shard of heads (its RAM pool holds its share of every slot, its own
-block files and Redis keys) and reports with its rank; :class:`~server.kv.ranks.RankTally`
+block files and Redis keys) and reports with its rank; :class:`~server.kv.scheduler.ranks.RankTally`
 counts an event done once every rank reported it. The manifest records the TP size, so blocks
 written with another TP size are never read.
 Pipeline and context parallelism are refused (:func:`check_parallel`).
@@ -42,15 +42,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.kv.layout import build_manifest, why_no_reuse
 from server.kv.metadata import StepPlan, WorkerReport
-from server.kv.ranks import RankTally, check_parallel
-from server.kv.recovery import DiskSpace, check_budgets, forget_unregistered_files
-from server.kv.scheduler import SessionKVScheduler
+from server.kv.scheduler.ranks import RankTally, check_parallel
+from server.kv.scheduler.recovery import DiskSpace, check_budgets, forget_unregistered_files
+from server.kv.scheduler.scheduler import SessionKVScheduler
+from server.kv.scheduler.usage import LoadAccounting
 from server.kv.settings import ConnectorSettings
 from server.kv.stats import SessionKVPromMetrics, SessionKVStats
 from server.kv.tiers.disk import DiskStore, block_file_bytes
 from server.kv.tiers.redis import RedisStore
-from server.kv.usage import LoadAccounting
-from server.kv.worker import SessionKVWorker
+from server.kv.worker.worker import SessionKVWorker
 from server.logs import use_vllm_logging
 
 if TYPE_CHECKING:

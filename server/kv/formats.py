@@ -2,9 +2,10 @@
 
 A block leaves vLLM's paged cache in the engine's dtype (float32 on CPU). The tiers may keep it
 in a smaller format; :class:`BlockFormat` says how many bytes that takes, so the scheduler side
-sizes the RAM pool and the disk budget by stored bytes, and :mod:`server.kv.codec` (worker side,
-torch) converts. Stored layout of one block: for every layer in manifest order, the layer's
-elements in the stored dtype, then (``int8``/``fp8`` only) its float16 scales and centers.
+sizes the RAM pool and the disk budget by stored bytes, and :mod:`server.kv.tiers.codec`
+(worker side, torch) converts. Stored layout of one block: for every layer in manifest order,
+the layer's elements in the stored dtype, then (``int8``/``fp8`` only) its float16 scales and
+centers.
 
 Scales (:data:`SCALE_SCHEME`): one scale and one center per group of :data:`SCALE_GROUP`
 contiguous elements (the whole row of ``head_size`` elements where 32 does not divide it); a

@@ -81,7 +81,7 @@ class StepPlan:
 class WorkerReport:
     """Completions the worker observed since its last report (one per step).
 
-    Each tensor-parallel rank sends its own (``rank``); :class:`server.kv.ranks.RankTally`
+    Each tensor-parallel rank sends its own (``rank``); :class:`server.kv.scheduler.ranks.RankTally`
     turns them into one report of what every rank completed before the scheduler side
     applies it."""
 

@@ -23,8 +23,8 @@ from langgraph.types import Command, Send
 from sqlalchemy import create_engine
 from typing_extensions import TypedDict
 
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions
-from langgraph_kvcache.checkpoint.kv_pins import PinCall, RunPins, has_pending_tasks
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.pins import PinCall, RunPins, has_pending_tasks
 from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver
 
 

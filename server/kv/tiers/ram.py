@@ -1,7 +1,7 @@
 """The RAM tier: one preallocated byte pool of ``num_slots`` blocks (pinned with CUDA).
 
 Slot ``s`` holds one block of every layer back to back in the stored format of the
-:class:`~server.kv.codec.BlockCodec` (the same bytes a disk file holds): per layer its stored
+:class:`~server.kv.tiers.codec.BlockCodec` (the same bytes a disk file holds): per layer its stored
 elements, then its scales (``int8``/``fp8``). The pool is viewed per layer as ``uint8
 [num_slots, data_bytes]`` and ``float16 [num_slots, rows]``, so a save or load of a batch of
 blocks is one encode or decode per layer. On CPU the bytes move block by block (``copy_``; for
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from server.kv.codec import BlockCodec
 from server.kv.tiers.block_frame import PAGE
+from server.kv.tiers.codec import BlockCodec
 
 
 class RamPool:

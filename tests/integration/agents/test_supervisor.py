@@ -21,7 +21,7 @@ from langgraph.graph.message import add_messages
 
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 from langgraph_kvcache.sessions import session_id_for
 
 pytestmark = pytest.mark.vllm

@@ -114,8 +114,8 @@ def run_sync(spec: dict[str, Any]) -> list[dict[str, Any]]:
 async def run_async(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from kv_engine import make_async_llm
 
-    from server.kv.control import SessionControl
     from server.kv.offline import reset_prefix_cache_async
+    from server.kv.registry.control import SessionControl
 
     engine = make_async_llm(spec["engine"])
     cache_dir = Path(spec["engine"]["kv_connector_extra_config"]["cache_dir"])

@@ -27,9 +27,9 @@ from kv_engine import (
     settle,
 )
 
-from server.kv.control import SessionControl
 from server.kv.offline import reset_prefix_cache
 from server.kv.registry import Registry
+from server.kv.registry.control import SessionControl
 from server.kv.tiers.disk import MANIFEST_FILE
 
 pytestmark = pytest.mark.vllm

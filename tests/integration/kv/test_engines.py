@@ -156,7 +156,7 @@ def test_a_tail_block_crosses_replicas_through_redis(tiny_model_dir: Path, tmp_p
     reg.close()
     assert stats['lgkv_hit_blocks_total{tier="redis"}'] == 3
     assert stats['lgkv_hit_tails_total{tier="redis"}'] == 1
-    from server.kv.registry_redis import RedisSessions
+    from server.kv.registry.redis import RedisSessions
 
     shared = RedisSessions(REDIS_URL, model_id)  # both replicas' sessions (namespace: model id)
     assert shared.get_session("t", "T").turns == 2  # a turn on each replica

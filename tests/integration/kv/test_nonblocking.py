@@ -35,7 +35,7 @@ def test_locked_registry_and_hung_redis_do_not_stall_generation(
     cache = tmp_path / "cache"
     path = cache / "sessions.sqlite3"
     pytest.importorskip("redis")
-    from server.kv.registry_redis import RedisSessions
+    from server.kv.registry.redis import RedisSessions
 
     Registry(path).close()  # schema and WAL mode, as a server that ran before leaves it
     redis = RedisProxy(18152, mode="hung")  # port of this suite's range; db 11

@@ -95,7 +95,7 @@ def test_session_filled_by_requests_then_copied_prefetched_deleted(
             "the turn's block files",
             timeout_s=60,
         )
-        # Full blocks, plus the partly filled tail block of the turn (server/kv/tails.py).
+        # Full blocks, plus the partly filled tail block of the turn (server/kv/scheduler/tails.py).
         full, tail = divmod(info["num_tokens"], 128)
         assert info["num_blocks"] == full + (tail > 0)
 

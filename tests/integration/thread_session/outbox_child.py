@@ -15,7 +15,7 @@ import asyncio
 import sys
 
 from langgraph_kvcache.checkpoint import AsyncSQLAlchemySaver, SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 
 
 def run_sync(db_url: str, options: KVSessionOptions, action: str, threads: list[str]) -> None:

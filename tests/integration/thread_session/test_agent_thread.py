@@ -29,7 +29,7 @@ from thread_session_agent import (
 
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 from langgraph_kvcache.client import SessionNotFoundError
 from tests.integration.conftest import wait_until
 

@@ -16,7 +16,7 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import ProgressCallbacks
 
 from langgraph_kvcache.checkpoint import AsyncSQLAlchemySaver, SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ from thread_session_agent import BLOCK_TOKENS, build_agent, lookup_notes, system
 
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import AsyncSQLAlchemySaver, SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
-from langgraph_kvcache.checkpoint.kv_store import kv_sessions, op_pending
+from langgraph_kvcache.checkpoint.sessions.store import kv_sessions, op_pending
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 from langgraph_kvcache.client import SessionNotFoundError
 
 pytestmark = pytest.mark.vllm

@@ -26,7 +26,7 @@ from thread_session_agent import system_prompt
 
 from langgraph_kvcache import KVCacheClient
 from langgraph_kvcache.checkpoint import SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_store import op_pending
+from langgraph_kvcache.checkpoint.sessions.store import op_pending
 from langgraph_kvcache.client import SessionNotFoundError
 from langgraph_kvcache.sessions import session_id_for
 

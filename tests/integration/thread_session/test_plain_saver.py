@@ -18,7 +18,7 @@ from langgraph.graph.message import add_messages
 from sqlalchemy import create_engine, event
 
 from langgraph_kvcache.checkpoint import SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_sessions import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.sync import KVSessionOptions
 
 
 class State(TypedDict):

@@ -29,7 +29,7 @@ from langgraph.types import Command, interrupt
 from examples.sleeping_tool import SERVER_FLAGS, AgentState, notes, sleeping_tool_run
 from langgraph_kvcache import ChatKVCache, KVCacheClient
 from langgraph_kvcache.checkpoint import AsyncSQLAlchemySaver, SQLAlchemySaver
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,7 @@
 """The two session registry backends, for tests that must hold for both (parametrized).
 
 :class:`Backend` opens registries the way the product does
-(:func:`server.kv.registry_shared.open_registry`): the SQLite file alone, or sessions in the
+(:func:`server.kv.registry.shared.open_registry`): the SQLite file alone, or sessions in the
 real Redis on 127.0.0.1:6379 (db 11, a fresh namespace per test, deleted afterwards) with the
 local part in the file. A second :meth:`Backend.open` plays another process or replica.
 :func:`proxy` is a :class:`RedisProxy` in front of that Redis, which a test takes down and
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from redis_proxy import RedisProxy
 
-from server.kv.control import SessionControl
-from server.kv.registry_api import EngineRegistry
-from server.kv.registry_shared import open_registry
+from server.kv.registry.api import EngineRegistry
+from server.kv.registry.control import SessionControl
+from server.kv.registry.shared import open_registry
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
 PROXY_PORT = 18150
@@ -64,7 +64,7 @@ class Backend:
     def clear(self) -> None:
         """Delete the namespace's Redis keys (no-op for SQLite)."""
         if self.redis_url:
-            from server.kv.registry_redis import RedisSessions
+            from server.kv.registry.redis import RedisSessions
 
             sessions = RedisSessions(self.redis_url, self.namespace)
             sessions.clear()

@@ -11,13 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from server.config import ConfigError, ServerConfig, env_settings  # noqa: E402
-from server.kv.codec import BlockCodec, fp8_available  # noqa: E402
 from server.kv.formats import OFFLOAD_DTYPES, SCALE_GROUP, BlockFormat, FormatError  # noqa: E402
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
 from server.kv.settings import ConnectorSettings, SettingsError  # noqa: E402
 from server.kv.tiers.block_frame import PAGE  # noqa: E402
+from server.kv.tiers.codec import BlockCodec, fp8_available  # noqa: E402
 from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
-from server.kv.worker import SessionKVWorker  # noqa: E402
+from server.kv.worker.worker import SessionKVWorker  # noqa: E402
 
 HEADS, TOKENS, DIM = 2, 8, 16
 SHAPE = (HEADS, 2 * TOKENS, DIM)  # vLLM CPU layout of one block: [heads, K rows + V rows, dim]
@@ -315,8 +315,8 @@ def test_redis_keys_name_the_format() -> None:
 
 
 def test_compression_ratio_reaches_the_metrics(tmp_path: Path) -> None:
-    from server.kv.control import SessionControl
     from server.kv.registry import Registry
+    from server.kv.registry.control import SessionControl
 
     reg = Registry(tmp_path / "sessions.sqlite3")
     reg.add_stats({}, {'lgkv_kv_compression_ratio{format="int8"}': 3.88})

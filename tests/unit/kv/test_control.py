@@ -13,7 +13,7 @@ import pytest
 from registries import Backend
 
 from langgraph_kvcache.contract import check_session_id
-from server.kv.control import (
+from server.kv.registry.control import (
     InvalidSessionId,
     SessionControl,
     SessionExists,

@@ -1,4 +1,4 @@
-"""Layer-wise RAM loads (``server.kv.layer_loads``) and the worker's use of them, on plain
+"""Layer-wise RAM loads (``server.kv.worker.layer_loads``) and the worker's use of them, on plain
 tensors (no engine): per-layer waits, tails copied before the forward, failures as misses."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from server.kv.layer_loads import LayerLoads  # noqa: E402
 from server.kv.metadata import LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
-from server.kv.worker import SessionKVWorker  # noqa: E402
+from server.kv.worker.layer_loads import LayerLoads  # noqa: E402
+from server.kv.worker.worker import SessionKVWorker  # noqa: E402
 
 NUM_BLOCKS, SHAPE = 16, (2, 8, 4)
 LAYERS = ["l0", "l1", "l2"]
@@ -79,7 +79,7 @@ def test_failed_layer_fails_every_block_and_releases_the_waiters(
     for gate in copy.gates:
         gate.set()
     loads = LayerLoads(LAYERS, copy)
-    with caplog.at_level(logging.WARNING, logger="server.kv.layer_loads"):
+    with caplog.at_level(logging.WARNING, logger="server.kv.worker.layer_loads"):
         loads.start([0, 1], [5, 6])
         loads.wait_layer("l2")  # does not hang: later layers are given up, not copied
         done = loads.finish()

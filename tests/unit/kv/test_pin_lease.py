@@ -13,8 +13,8 @@ import pytest
 from registries import Backend
 
 from langgraph_kvcache.contract import InvalidTTL
-from server.kv.control import SessionControl
-from server.kv.policy import EvictionPolicy
+from server.kv.registry.control import SessionControl
+from server.kv.scheduler.policy import EvictionPolicy
 
 KEYS = [f"{n:0>16}" for n in ("a1", "a2")]
 

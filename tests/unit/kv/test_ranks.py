@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.kv.metadata import WorkerReport
-from server.kv.ranks import ParallelismNotSupported, RankTally, check_parallel
+from server.kv.scheduler.ranks import ParallelismNotSupported, RankTally, check_parallel
 
 A, B = "aa" * 32, "bb" * 32
 

@@ -93,7 +93,7 @@ def test_redis_down_is_a_miss(manifest: Manifest) -> None:
 def test_second_replica_hits_from_redis(manifest: Manifest, tmp_path: Path) -> None:
     from test_scheduler import BB, BS, FB, Req, prompt  # same folder
 
-    from server.kv.scheduler import SessionKVScheduler
+    from server.kv.scheduler.scheduler import SessionKVScheduler
     from server.kv.settings import ConnectorSettings
 
     def replica(name: str) -> SessionKVScheduler:

@@ -15,8 +15,8 @@ from test_registry_sync import engine_sync, settled
 
 from server.api.protocol import APIError
 from server.api.sessions import _guard
-from server.kv.registry_api import RegistryUnavailable
-from server.kv.registry_sync import Dropped, SessionChange, Snapshot
+from server.kv.registry.api import RegistryUnavailable
+from server.kv.scheduler.registry_sync import Dropped, SessionChange, Snapshot
 
 pytestmark = [pytest.mark.redis, pytest.mark.parametrize("backend", ["redis"], indirect=True)]
 
@@ -86,7 +86,7 @@ def test_an_engine_that_was_away_applies_the_drops_it_missed(backend: Backend) -
 def test_a_reader_behind_the_trimmed_changes_reloads_the_snapshot(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("server.kv.registry_redis.DROPS_KEPT", 10)
+    monkeypatch.setattr("server.kv.registry.redis.DROPS_KEPT", 10)
     reg = backend.open()
     reg.record_turn("t", "first", ["k"], 4, default_ttl_s=None)
     behind = reg.change_seq()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from registries import Backend, proxy
 
-from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
+from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 
 
 def engine_sync(backend: Backend, url: str | None = None) -> RegistrySync:
@@ -90,7 +90,7 @@ def test_writes_wait_out_a_locked_registry_and_are_kept(sync: RegistrySync, tmp_
 
 def test_redis_lookups_answer_not_yet_then_a_miss_when_redis_hangs(tmp_path: Path) -> None:
     pytest.importorskip("redis")
-    from server.kv.redis_lookups import RedisLookups
+    from server.kv.scheduler.redis_lookups import RedisLookups
     from server.kv.tiers.disk import Manifest
     from server.kv.tiers.redis import RedisStore
 

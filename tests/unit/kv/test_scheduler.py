@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from server.kv.index import BlockIndex
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, StepPlan, WorkerReport
-from server.kv.policy import EvictionPolicy
 from server.kv.registry import Registry, SessionRow
-from server.kv.scheduler import SessionKVScheduler
+from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.policy import EvictionPolicy
+from server.kv.scheduler.scheduler import SessionKVScheduler
 from server.kv.settings import ConnectorSettings
 
 BS = 4  # tokens per block

@@ -11,7 +11,7 @@ from test_scheduler import BS, Req, check_slots, make, prompt, report
 
 from server.kv.keys import block_key, parse_tail_key, tail_key, tail_root
 from server.kv.metadata import StepPlan
-from server.kv.scheduler import SessionKVScheduler
+from server.kv.scheduler.scheduler import SessionKVScheduler
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from server.api.metrics import SessionMetricsCollector, family_of, parse_sample
-from server.kv.control import SessionControl
+from server.kv.registry.control import SessionControl
 
 
 def test_parse_sample() -> None:

@@ -1,10 +1,10 @@
 """The session keeper's logic, written once for the sync and the async saver.
 
-:class:`~.kv_sessions.ThreadSessions` (sync) and :class:`~.kv_sessions_aio.AsyncThreadSessions`
+:class:`~.sync.ThreadSessions` (sync) and :class:`~.aio.AsyncThreadSessions`
 (async) keep a KV-cache server's sessions in step with a saver's threads (what they do is in
-:mod:`.kv_sessions`). Everything they decide is here, in two forms a driver runs:
+:mod:`.sync`). Everything they decide is here, in two forms a driver runs:
 
-- **In-transaction operations** (:data:`~.base.Op`, the saver's own form): the ``_tx_*``
+- **In-transaction operations** (:data:`~..base.Op`, the saver's own form): the ``_tx_*``
   lifecycle hooks wrap the saver's change (delete, copy, ...) with the keeper's bookkeeping in
   the same transaction: the session table rows, and an outbox row for each server call the
   change owes. Once the change is committed its calls are too: a process killed right after the
@@ -28,12 +28,12 @@ from typing import Any, Generic, Literal, TypeVar
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
-from langgraph_kvcache.checkpoint import kv_store
 from langgraph_kvcache.checkpoint.base import Mode, Op
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions, Tracker
-from langgraph_kvcache.checkpoint.kv_pins import PinCall, RunPins
-from langgraph_kvcache.checkpoint.kv_store import SessionCall
+from langgraph_kvcache.checkpoint.sessions import store
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions, Tracker
+from langgraph_kvcache.checkpoint.sessions.pins import PinCall, RunPins
+from langgraph_kvcache.checkpoint.sessions.store import SessionCall
 from langgraph_kvcache.client import (
     KVCacheClientError,
     ServerUnavailableError,
@@ -44,7 +44,7 @@ from langgraph_kvcache.sessions import session_id_for, strip_task_ids, thread_se
 
 __all__ = ["Request", "Runner", "SessionKeeper", "Sql", "Steps", "Warm", "adrive", "drive"]
 
-logger = logging.getLogger("langgraph_kvcache.checkpoint.kv_sessions")
+logger = logging.getLogger("langgraph_kvcache.checkpoint.sessions.sync")
 
 T = TypeVar("T")
 R = TypeVar("R", covariant=True)
@@ -91,7 +91,8 @@ ClientMethod = Literal[
 @dataclass(frozen=True)
 class Request:
     """Step: call ``method`` of the keeper's session API client (sync or async: the two have the
-    same methods); sent its result, or thrown its :class:`~.client.KVCacheClientError`."""
+    same methods); sent its result, or thrown its
+    :class:`~langgraph_kvcache.client.KVCacheClientError`."""
 
     method: ClientMethod
     args: tuple[Any, ...]
@@ -181,7 +182,7 @@ class SessionKeeper(LifecycleHooks):
         """Run ``steps`` in the background, after the server work queued before (no wait)."""
         raise NotImplementedError
 
-    # -- store hooks (run pins; see :mod:`.kv_pins`) ----------------------------------------
+    # -- store hooks (run pins; see :mod:`.pins`) ----------------------------------------
 
     def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:
         if self.run_pins is not None:
@@ -225,15 +226,15 @@ class SessionKeeper(LifecycleHooks):
 
     def _tx_copy_thread(self, change: Op[T], source: str, target: str) -> Op[T]:
         result = yield from change
-        pairs = yield from kv_store.op_namespaces([source])
+        pairs = yield from store.op_namespaces([source])
         calls, rows = copy_calls(source, target, pairs)
-        yield from kv_store.op_touch(self.runner.dialect, rows, time.time())
+        yield from store.op_touch(self.runner.dialect, rows, time.time())
         yield from self._op_owe(calls)
         return result
 
     def _tx_delete_for_runs(self, change: Op[list[str]], run_ids: Sequence[str]) -> Op[list[str]]:
         threads = yield from change
-        emptied = yield from kv_store.op_threads_without_checkpoints(threads)
+        emptied = yield from store.op_threads_without_checkpoints(threads)
         if emptied:
             yield from self._op_drop(emptied)
         return threads
@@ -243,7 +244,7 @@ class SessionKeeper(LifecycleHooks):
         lose their checkpoints and session rows, and their sessions are owed a delete."""
         assert self.options.ttl_seconds is not None
         cutoff = time.time() - self.options.ttl_seconds
-        threads = yield from kv_store.op_expired(cutoff, limit)
+        threads = yield from store.op_expired(cutoff, limit)
         if threads:
             yield from self.runner.delete_threads(threads)
             yield from self._op_drop(threads)
@@ -251,7 +252,7 @@ class SessionKeeper(LifecycleHooks):
 
     def _op_drop(self, thread_ids: Sequence[str]) -> Op[None]:
         """Forget the threads' session rows and owe a delete of each of their sessions."""
-        sessions = yield from kv_store.op_forget(thread_ids)
+        sessions = yield from store.op_forget(thread_ids)
         self._tracker.forget(thread_ids)
         if self.run_pins is not None:
             self.run_pins.forget(thread_ids)
@@ -260,7 +261,7 @@ class SessionKeeper(LifecycleHooks):
     def _op_owe(self, calls: Sequence[SessionCall]) -> Op[None]:
         """Append ``calls`` to the outbox (in the caller's transaction)."""
         if calls:
-            yield from kv_store.op_enqueue(calls)
+            yield from store.op_enqueue(calls)
             self._tracker.outbox_pending = True
 
     # -- steps ---------------------------------------------------------------------------------
@@ -282,7 +283,7 @@ class SessionKeeper(LifecycleHooks):
         return None
 
     def _op_use(self, key: tuple[str, str], register: bool) -> Op[None]:
-        yield from kv_store.op_touch(self.runner.dialect, [key], time.time())
+        yield from store.op_touch(self.runner.dialect, [key], time.time())
         if register:
             yield from self._op_owe([SessionCall("register", session_id_for(*key))])
 
@@ -305,7 +306,7 @@ class SessionKeeper(LifecycleHooks):
         which is no error) is logged and dropped."""
         sent = 0
         while True:
-            rows = yield Sql(kv_store.op_pending(DRAIN_BATCH))
+            rows = yield Sql(store.op_pending(DRAIN_BATCH))
             if not rows:
                 self._tracker.outbox_pending = False
                 return sent
@@ -314,12 +315,12 @@ class SessionKeeper(LifecycleHooks):
                     yield from self._call_steps(row.call)
                 except ServerUnavailableError as exc:
                     log_unavailable(f"{len(rows)}+ pending session calls retried", exc)
-                    yield Sql(kv_store.op_failed(row.id, str(exc)), "single")
+                    yield Sql(store.op_failed(row.id, str(exc)), "single")
                     self._tracker.outbox_pending = True
                     return sent
                 except KVCacheClientError as exc:
                     logger.warning("dropping session call %s: %s", row.call, exc)
-                yield Sql(kv_store.op_done(row.id), "single")
+                yield Sql(store.op_done(row.id), "single")
                 sent += 1
 
     def _call_steps(self, call: SessionCall) -> Steps[None]:

@@ -1,7 +1,7 @@
 """``AsyncThreadSessions``: the session keeper of :class:`AsyncSQLAlchemySaver`.
 
-Same behaviour as :class:`.kv_sessions.ThreadSessions` (see :mod:`.kv_sessions`): it drives the
-same steps (:mod:`.kv_keeper`), SQL through the saver's async runner, the server through
+Same behaviour as :class:`.sync.ThreadSessions` (see :mod:`.sync`): it drives the
+same steps (:mod:`.keeper`), SQL through the saver's async runner, the server through
 :class:`AsyncKVCacheClient`, and ``get_tuple``'s background work as tasks on the saver's loop.
 """
 
@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import CheckpointTuple
 
-from langgraph_kvcache.checkpoint.kv_keeper import Runner, SessionKeeper, Steps, adrive
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions
+from langgraph_kvcache.checkpoint.sessions.keeper import Runner, SessionKeeper, Steps, adrive
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions
 from langgraph_kvcache.client import AsyncKVCacheClient
 
 __all__ = ["AsyncThreadSessions"]
 
-logger = logging.getLogger("langgraph_kvcache.checkpoint.kv_sessions")
+logger = logging.getLogger("langgraph_kvcache.checkpoint.sessions.sync")
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ class AsyncThreadSessions(SessionKeeper):
             return await adrive(steps, self.client, self.runner)
 
     async def _after_change(self) -> None:
-        """See :meth:`.kv_sessions.ThreadSessions._after_change`."""
+        """See :meth:`.sync.ThreadSessions._after_change`."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2 * self.options.call_timeout_s + 1)
         await self.drain()
@@ -87,7 +87,7 @@ class AsyncThreadSessions(SessionKeeper):
     # -- public ----------------------------------------------------------------------------
 
     async def sweep_expired(self, *, limit: int = 1000) -> list[str]:
-        """See :meth:`.kv_sessions.ThreadSessions.sweep_expired`."""
+        """See :meth:`.sync.ThreadSessions.sweep_expired`."""
         if self.options.ttl_seconds is None:
             return []
         threads: list[str] = await self.runner.run(self._op_sweep(limit), "write")
@@ -95,7 +95,7 @@ class AsyncThreadSessions(SessionKeeper):
         return threads
 
     async def drain(self) -> int:
-        """See :meth:`.kv_sessions.ThreadSessions.drain`."""
+        """See :meth:`.sync.ThreadSessions.drain`."""
         return await self._serially(self._drain_steps())
 
     async def aclose(self) -> None:

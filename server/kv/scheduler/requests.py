@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from langgraph_kvcache.contract import DEFAULT_TENANT, XARG_OP, XARG_SESSION, XARG_TENANT
-from server.kv.tails import TailHit
+from server.kv.scheduler.tails import TailHit
 
 
 @dataclass

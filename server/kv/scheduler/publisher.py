@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from server.kv.index import BlockIndex
-from server.kv.registry_sync import RegistrySync
+from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.registry_sync import RegistrySync
 
 
 class Publisher:

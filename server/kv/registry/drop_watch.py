@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from server.kv.registry_api import RegistryUnavailable
-from server.kv.registry_redis import RedisSessions
+from server.kv.registry.api import RegistryUnavailable
+from server.kv.registry.redis import RedisSessions
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Thread sessions: keep a KV-cache server's sessions in step with the checkpointer's threads.
 
 Given ``kv_server=``, :class:`~langgraph_kvcache.checkpoint.SQLAlchemySaver` hands its lifecycle
-hooks (:mod:`.hooks`) to :class:`ThreadSessions` (:class:`.kv_sessions_aio.AsyncThreadSessions`
-for ``AsyncSQLAlchemySaver``; both drive the logic of :mod:`.kv_keeper`). Each (``thread_id``,
+hooks (:mod:`..hooks`) to :class:`ThreadSessions` (:class:`.aio.AsyncThreadSessions`
+for ``AsyncSQLAlchemySaver``; both drive the logic of :mod:`.keeper`). Each (``thread_id``,
 checkpoint namespace) maps to the server session :func:`~langgraph_kvcache.sessions.session_id_for`
 names (the one ``ChatKVCache`` sends), kept in the ``checkpoint_kv_sessions`` table
-(:mod:`.kv_store`):
+(:mod:`.store`):
 
 - ``get_tuple`` (a run starts or resumes), at most once per ``prefetch_interval_s`` per session:
   records the use, registers the session on the server with the saver's TTL (first time in
@@ -19,7 +19,7 @@ names (the one ``ChatKVCache`` sends), kept in the ``checkpoint_kv_sessions`` ta
 - ``copy_thread``: forks each session of the source into the target's id (blocks are shared).
 - ``sweep_expired()``: deletes threads unused for ``ttl_seconds``, checkpoints and sessions.
 - ``put`` / ``put_writes`` during a run (``run_pins``, on by default): pin the session while
-  the run is in progress, as a lease the server lets lapse by itself (:mod:`.kv_pins`); in
+  the run is in progress, as a lease the server lets lapse by itself (:mod:`.pins`); in
   the background, and a failure is a warning.
 
 Every server call a change owes (a delete, a copy, a registration) is written to the outbox
@@ -42,8 +42,8 @@ from typing import Any, TypeVar
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import CheckpointTuple
 
-from langgraph_kvcache.checkpoint.kv_keeper import Runner, SessionKeeper, Steps, drive
-from langgraph_kvcache.checkpoint.kv_options import KVSessionOptions, resolve_options
+from langgraph_kvcache.checkpoint.sessions.keeper import Runner, SessionKeeper, Steps, drive
+from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions, resolve_options
 from langgraph_kvcache.client import KVCacheClient
 
 __all__ = ["KVSessionOptions", "ThreadSessions", "resolve_options"]

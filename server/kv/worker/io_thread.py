@@ -1,6 +1,6 @@
 """The worker's I/O thread: disk and Redis reads, writes and removals off vLLM's step.
 
-One thread per worker takes jobs from a :class:`~server.kv.io_queue.JobQueue`: reads first,
+One thread per worker takes jobs from a :class:`~server.kv.worker.io_queue.JobQueue`: reads first,
 then writes and removals in FIFO order (a removal planned before a write of the same key runs
 first). A read of a block whose write is still queued is served from that write's buffer.
 Redis reads queued together go in one pipelined round trip (up to 64 blocks). Any disk or
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from server.kv.io_queue import JobQueue
 from server.kv.metadata import LoadItem
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.redis import RedisStore
+from server.kv.worker.io_queue import JobQueue
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Without a Redis URL the registry is the SQLite file in the cache folder
 :class:`SharedRegistry` puts sessions in Redis (:class:`RedisSessions`, shared by every
 replica of the namespace) and keeps this replica's block locations, counters and feed
 positions in the SQLite file (:class:`Registry`'s local part). Both offer the same methods
-(:class:`server.kv.registry_api.EngineRegistry`), so the engine's registry thread and the API
+(:class:`server.kv.registry.api.EngineRegistry`), so the engine's registry thread and the API
 process do not care which one they hold.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from server.kv.registry import Registry
-from server.kv.registry_api import EngineRegistry
-from server.kv.registry_redis import RedisSessions
-from server.kv.registry_sql import SessionRow, TierCount
+from server.kv.registry.api import EngineRegistry
+from server.kv.registry.redis import RedisSessions
+from server.kv.registry.sql import SessionRow, TierCount
+from server.kv.registry.sqlite import Registry
 
 
 def open_registry(

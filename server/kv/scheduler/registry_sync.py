@@ -1,7 +1,7 @@
 """The scheduler side's registry thread: every registry call of the engine, off vLLM's thread.
 
 The registry is the SQLite file, or with ``--kv-redis-url`` sessions in Redis plus the local
-part in the file (:func:`server.kv.registry_shared.open_registry`); the thread does not care
+part in the file (:func:`server.kv.registry.shared.open_registry`); the thread does not care
 which: a Redis that is down fails a job like a locked file does, and the job is retried.
 
 vLLM calls the scheduler side on its one scheduler thread, which must never wait on a disk or
@@ -41,8 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.kv.registry import Registry, SessionRow
-from server.kv.registry_api import Cursor, EngineRegistry
+from server.kv.registry.api import Cursor, EngineRegistry
+from server.kv.registry.sql import SessionRow
+from server.kv.registry.sqlite import Registry
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class RegistrySync:
         self.path = Path(path)
         self._opener = opener or (lambda: Registry(self.path, busy_timeout_s=busy_timeout_s))
         """Opens the registry on the thread: the SQLite file at ``path`` by default, or
-        :func:`server.kv.registry_shared.open_registry` with sessions in Redis."""
+        :func:`server.kv.registry.shared.open_registry` with sessions in Redis."""
         self.busy_timeout_s = busy_timeout_s
         self.poll_s = poll_s
         self.purge_every_s = purge_every_s

@@ -2,7 +2,7 @@
 
 Per step:
 - ``start_load`` (before the forward when the step has synchronous loads): RAM -> paged copies
-  start on the copy thread, layer by layer (:mod:`server.kv.layer_loads`), and ``wait_layer``
+  start on the copy thread, layer by layer (:mod:`server.kv.worker.layer_loads`), and ``wait_layer``
   (vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads the cache)
   blocks until that layer is copied, so copying layer i+1 overlaps computing layer i. A tail
   block of a synchronous load is copied at once, every layer (the step writes its later
@@ -29,9 +29,9 @@ positions it computes, and attention reads only positions below the sequence len
 With tensor parallelism each rank runs its own worker over its own shard of heads: its RAM
 pool holds its share of every slot, its store and Redis tier are its rank's
 (``DiskStore(..., rank=N)``), and its reports carry its ``rank`` (the scheduler side counts
-an event done once every rank reported it: :mod:`server.kv.ranks`).
+an event done once every rank reported it: :mod:`server.kv.scheduler.ranks`).
 
-Disk and Redis jobs run on the I/O thread (:mod:`server.kv.io_thread`): reads first, then
+Disk and Redis jobs run on the I/O thread (:mod:`server.kv.worker.io_thread`): reads first, then
 writes and removals in FIFO order. Any disk or Redis error is a miss plus a warning, never an
 exception to vLLM.
 """
@@ -45,15 +45,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.kv.codec import BlockCodec
 from server.kv.formats import BlockFormat
-from server.kv.io_thread import IOThread, Read
-from server.kv.layer_loads import LayerLoads
 from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
+from server.kv.tiers.codec import BlockCodec
 from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.tiers.redis import RedisStore
+from server.kv.worker.io_thread import IOThread, Read
+from server.kv.worker.layer_loads import LayerLoads
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Sessions in Redis: the shared part of the registry when ``--kv-redis-url`` is set.
 
-:class:`RedisSessions` implements :class:`server.kv.registry_api.SessionStore` over the key
-layout of :mod:`server.kv.registry_lua`: every write is one Lua script (atomic, so several
+:class:`RedisSessions` implements :class:`server.kv.registry.api.SessionStore` over the key
+layout of :mod:`server.kv.registry.lua`: every write is one Lua script (atomic, so several
 replicas and API processes may write at once), every multi-key read one MULTI/EXEC. Keys sit
 under ``lgkv:reg:{<namespace>}:``; replicas that serve the same model under the same name
 share a namespace (:func:`server.config.redis_namespace`), other models and test runs use
 their own.
 
 The feeds are Redis Streams, not pub/sub: an entry stays until the stream is trimmed (to about
-:data:`server.kv.registry_sql.DROPS_KEPT` entries), so an engine that was away for a while
+:data:`server.kv.registry.sql.DROPS_KEPT` entries), so an engine that was away for a while
 (a network blip, a restart: it saves its drops position locally) reads what it missed. A
 reader that fell behind the trimmed part reloads the whole snapshot (changes) or logs that it
 missed drops (their blocks then leave its tiers by eviction).
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from server.kv import registry_lua as lua
-from server.kv.registry_api import RegistryUnavailable
-from server.kv.registry_sql import DROPS_KEPT, SessionRow
+from server.kv.registry import lua
+from server.kv.registry.api import RegistryUnavailable
+from server.kv.registry.sql import DROPS_KEPT, SessionRow
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The tables that tie threads to KV-cache server sessions, and the SQL operations on them.
 
-Two tables, created by the last migration in :mod:`.migrations` (so a plain saver has them
+Two tables, created by the last migration in :mod:`..migrations` (so a plain saver has them
 too, empty, and never queries them):
 
 - ``checkpoint_kv_sessions``: one row per (``thread_id``, namespace) a run has touched, with
@@ -14,7 +14,7 @@ too, empty, and never queries them):
 
 Operations are generators of :class:`~langgraph_kvcache.checkpoint.base.Stmt`, like the
 saver's own, so the sync and async keepers run them through their saver's runner, alone or
-inside the saver's own transaction (:mod:`.kv_keeper`).
+inside the saver's own transaction (:mod:`.keeper`).
 """
 
 from __future__ import annotations

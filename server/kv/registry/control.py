@@ -9,7 +9,7 @@ One owner of each piece of state: the engine owns expiry and block files; this p
 requests and reads state.
 
 1. The registry (SQLite, WAL; with ``--kv-redis-url`` the sessions and feeds in Redis, shared by
-   every replica, see :mod:`server.kv.registry_shared`) records requests. ``delete`` removes
+   every replica, see :mod:`server.kv.registry.shared`) records requests. ``delete`` removes
    the session's rows and, in the same transaction, appends the keys of blocks no other
    session references to the ``drops`` feed; the engine's registry thread (every replica's,
    with Redis) reads new drops (and, from the ``changes`` feed, every session written:
@@ -63,10 +63,10 @@ from langgraph_kvcache.contract import (
     check_session_id,
     check_ttl,
 )
-from server.kv.drop_watch import DropWatcher
-from server.kv.registry_api import RegistryUnavailable
-from server.kv.registry_shared import SharedRegistry, open_registry
-from server.kv.registry_sql import SessionRow, TierCount
+from server.kv.registry.api import RegistryUnavailable
+from server.kv.registry.drop_watch import DropWatcher
+from server.kv.registry.shared import SharedRegistry, open_registry
+from server.kv.registry.sql import SessionRow, TierCount
 from server.kv.settings import REGISTRY_FILE
 
 log = logging.getLogger(__name__)

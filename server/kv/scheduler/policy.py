@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from server.kv.keys import parse_tail_key
-from server.kv.registry import SessionRow
+from server.kv.registry.sql import SessionRow
 
 SessionKey = tuple[str, str]
 """(tenant, session id)."""

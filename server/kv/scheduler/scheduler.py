@@ -7,8 +7,8 @@ Runs in vLLM's scheduler (engine-core process). No torch: it sees requests only 
 
 Verbs, per request:
 - ``get_num_new_matched_tokens``: longest run of the request's next full blocks found in RAM
-  or on disk, plus the tail block that continues them (:mod:`server.kv.tails`: the count is
-  then not block-aligned); never the whole prompt (vLLM must compute at least one token).
+  or on disk, plus the tail block that continues them (:mod:`server.kv.scheduler.tails`: the
+  count is then not block-aligned); never the whole prompt (vLLM must compute at least one token).
   All-RAM hits load synchronously; any disk block makes the load asynchronous.
 - ``update_state_after_alloc``: turns the lookup into a :class:`LoadJob` on the blocks vLLM
   allocated, locking the RAM slots read.
@@ -31,19 +31,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.kv.control_ops import CONTROL_OPS, ControlOps
-from server.kv.index import BlockIndex, BlockState
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
-from server.kv.policy import EvictionPolicy
-from server.kv.publisher import Publisher
-from server.kv.redis_lookups import RedisLookups
-from server.kv.registry_api import EngineRegistry
-from server.kv.registry_shared import open_registry
-from server.kv.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
-from server.kv.requests import Lookup, Tracked, track
+from server.kv.registry.api import EngineRegistry
+from server.kv.registry.shared import open_registry
+from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
+from server.kv.scheduler.index import BlockIndex, BlockState
+from server.kv.scheduler.policy import EvictionPolicy
+from server.kv.scheduler.publisher import Publisher
+from server.kv.scheduler.redis_lookups import RedisLookups
+from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
+from server.kv.scheduler.requests import Lookup, Tracked, track
+from server.kv.scheduler.tails import TailBook
 from server.kv.settings import ConnectorSettings
-from server.kv.tails import TailBook
 from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)

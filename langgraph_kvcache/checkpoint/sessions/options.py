@@ -2,7 +2,7 @@
 
 :class:`KVSessionOptions` is what ``kv_server=`` becomes (:func:`resolve_options`);
 :class:`Tracker` is what a keeper remembers between calls in one process (see
-:mod:`.kv_sessions` for what the keepers do).
+:mod:`.sync` for what the keepers do).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class KVSessionOptions:
     run_pins: bool = True
     """Pin each (thread, namespace)'s server session while a graph run on it is in progress,
     so a long tool call or an ``interrupt()`` does not lose its KV to eviction (see
-    :mod:`.kv_pins`); ``False``: never pin (sessions are evicted by the server's policy
+    :mod:`.pins`); ``False``: never pin (sessions are evicted by the server's policy
     alone). Pinned sessions hold their KV in the server's RAM budget: see docs/agents.md."""
     run_pin_s: float = 300.0
     """Lease of a run's pin: renewed as the run's checkpoints are stored, released when the run

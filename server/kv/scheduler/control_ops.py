@@ -1,8 +1,8 @@
 """Control requests on the scheduler side: ``PREFETCH_OP``, ``SYNC_OP`` and ``BARRIER_OP``.
 
 The API process reaches the engine with one-token requests carrying an operation marker
-(:mod:`server.kv.control`). The scheduler side holds such a request (answers vLLM "not yet",
-None, at each lookup) until its work is done, then lets it run its one token:
+(:mod:`server.kv.registry.control`). The scheduler side holds such a request (answers vLLM
+"not yet", None, at each lookup) until its work is done, then lets it run its one token:
 
 - prefetch: plans disk -> RAM reads of the session's blocks that are on disk only (keys as
   the policy knows them: this engine's own turns at once, other processes' changes within the
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from langgraph_kvcache.contract import BARRIER_OP, PREFETCH_OP, SYNC_OP
-from server.kv.index import BlockIndex
 from server.kv.metadata import NO_SLOT, StepPlan
-from server.kv.policy import EvictionPolicy
-from server.kv.registry_sync import RegistrySync
+from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.policy import EvictionPolicy
+from server.kv.scheduler.registry_sync import RegistrySync
 
 CONTROL_OPS = (PREFETCH_OP, SYNC_OP, BARRIER_OP)
 """The ``XARG_OP`` values this module holds (any other op runs as a plain request)."""

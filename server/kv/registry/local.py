@@ -1,6 +1,6 @@
 """The registry's local part in SQLite: where this replica holds blocks, its counters, and
 its saved feed positions (tables ``blocks``, ``stats``, ``cursors`` of
-:mod:`server.kv.registry_sql`).
+:mod:`server.kv.registry.sql`).
 
 :class:`LocalTables` is a mixin of :class:`server.kv.registry.Registry`, which owns the
 connection (``_read``, ``_write``). Never shared between replicas: with sessions in Redis
@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 
-from server.kv.registry_sql import TierCount
+from server.kv.registry.sql import TierCount
 
 
 class LocalTables:

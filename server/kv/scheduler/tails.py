@@ -8,7 +8,7 @@ answers "delay the free" and the worker reports the request in ``finished_sendin
 is keyed by the last full block's key plus the exact ``n`` token ids (:func:`tail_key`), so a
 later prompt can use it only when it extends those tokens token for token; vLLM then counts
 ``m <= n`` of its tokens as computed and computes from there (the worker copies the whole
-block: see :mod:`server.kv.worker` for why the slots past ``m`` are harmless).
+block: see :mod:`server.kv.worker.worker` for why the slots past ``m`` are harmless).
 
 Contracts:
 - The scheduler side alone (no torch, never blocks). A tail becomes visible to lookups only
@@ -19,8 +19,8 @@ Contracts:
   reaches Redis asks for the tails continuing its blocks in the same round trip.
 - A tail costs one block slot in RAM and one block file on disk, like any block; it belongs to
   its session's block list (delete, expiry, copy and prefetch treat it as a block), is ranked
-  before the session's full blocks for eviction (:mod:`server.kv.policy`), and is dropped when
-  the session's next turn no longer lists it and no other session references it.
+  before the session's full blocks for eviction (:mod:`server.kv.scheduler.policy`), and is
+  dropped when the session's next turn no longer lists it and no other session references it.
 - A match leaves at least one prompt token to compute (vLLM's rule): a tail that would cover
   the whole prompt loads one token less.
 """
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.kv.index import BlockIndex
 from server.kv.keys import block_key, parse_tail_key, tail_key, tail_root
-from server.kv.policy import EvictionPolicy
+from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.policy import EvictionPolicy
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from server.kv.index import BlockIndex
+from server.kv.scheduler.index import BlockIndex
 from server.kv.tiers.disk import DiskStore
 
 log = logging.getLogger(__name__)

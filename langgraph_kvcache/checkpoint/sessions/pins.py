@@ -3,7 +3,7 @@
 A graph run on a thread puts a checkpoint at the end of each superstep; between two of them a
 node runs (an LLM call, a tool, a sub-agent), and a long one (a slow tool, a person answering
 an ``interrupt()``) leaves the thread idle while other threads' turns push its KV out of the
-server's RAM. With ``run_pins`` on (:class:`~.kv_options.KVSessionOptions`), the session keeper
+server's RAM. With ``run_pins`` on (:class:`~.options.KVSessionOptions`), the session keeper
 pins the session of each (thread, checkpoint namespace) as a *lease*, from what the saver is
 given to store:
 
@@ -26,7 +26,7 @@ join of several sources by ``join:<a>+<b>:<node>``), and is pending when that ch
 value written after the node last saw it (a consumed channel is gone from ``channel_values``,
 a consumed join is empty); pending ``Send`` packets sit in ``__pregel_tasks``.
 :class:`RunPins` decides the calls; the keepers make them in the background
-(:mod:`.kv_keeper`).
+(:mod:`.keeper`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ Tables:
 - ``cursors``: feed positions this engine saved (with sessions in Redis: where it resumes the
   shared drops stream after a restart).
 
-It implements both parts of :mod:`server.kv.registry_api`: sessions (the default, one node)
+It implements both parts of :mod:`server.kv.registry.api`: sessions (the default, one node)
 and the local part (block locations, counters), which stays here when sessions live in Redis
-(:class:`server.kv.registry_shared.SharedRegistry`).
+(:class:`server.kv.registry.shared.SharedRegistry`).
 
 Every method opens its own short transaction; a connection is shared by the threads of one
 process behind a lock. Writers use ``BEGIN IMMEDIATE`` and a busy timeout, so two processes
@@ -32,8 +32,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from server.kv.registry_local import LocalTables
-from server.kv.registry_sql import (
+from server.kv.registry.local import LocalTables
+from server.kv.registry.sql import (
     DROPS_KEPT,
     SESSION_COLS,
     SessionRow,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from server.kv.metadata import NO_SLOT, WorkerReport
-from server.kv.policy import EvictionPolicy
+from server.kv.scheduler.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 

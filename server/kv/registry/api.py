@@ -6,14 +6,14 @@ A registry serves two kinds of state:
   TTL, gap statistics, managed flag) and ordered block list, and the two feeds the engines
   read as increments: ``changes`` (every session written) and ``drops`` (block keys freed by
   a delete or an expiry). With several replicas this part is shared (Redis:
-  :class:`server.kv.registry_redis.RedisSessions`), so any replica answers for any session.
+  :class:`server.kv.registry.redis.RedisSessions`), so any replica answers for any session.
 - **Local state** (:class:`LocalState`): where this replica holds each block (RAM, disk,
   Redis flags and bytes, read by ``tier_usage``) and this engine's counters and gauges
   (``/metrics``). Always the SQLite file in the replica's cache folder.
 
 :class:`server.kv.registry.Registry` (SQLite) implements both and is the default;
-:class:`server.kv.registry_shared.SharedRegistry` composes Redis sessions with the SQLite
-local part. :func:`server.kv.registry_shared.open_registry` picks one.
+:class:`server.kv.registry.shared.SharedRegistry` composes Redis sessions with the SQLite
+local part. :func:`server.kv.registry.shared.open_registry` picks one.
 
 Feed positions (:data:`Cursor`) are opaque to callers: SQLite row numbers, Redis stream ids.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from server.kv.registry_sql import SessionRow, TierCount
+from server.kv.registry.sql import SessionRow, TierCount
 
 Cursor = int | str
 """A position in a feed (``changes`` or ``drops``): only compared by the store that gave it."""
