@@ -23,6 +23,7 @@ cache hit rate (``cached_tokens / prompt_tokens``), prints a table, writes JSON 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import shlex
@@ -127,6 +128,10 @@ def _chat(client: httpx.Client, model: str, messages: list[dict], session: str, 
         int(usage.get("prompt_tokens", 0)),
         int(details.get("cached_tokens") or 0),
     )
+
+
+def _say(name: str, msg: str) -> None:
+    print(f"[{name}] {msg}", flush=True)
 
 
 def _start(cmd: list[str], port: int, log: Path, env: dict[str, str]):
@@ -341,7 +346,7 @@ def main() -> None:
             server = process(
                 tmp, [*common, *flags], model=args.model, served_name="bench", log_dir=args.out,
                 log_name=f"{name}.log", env=env, stop_timeout_s=30,
-                progress=lambda m, n=name: print(f"[{n}] {m}", flush=True),
+                progress=functools.partial(_say, name),
             )  # fmt: skip
             with server:
                 cores[name] = server.omp_cores()

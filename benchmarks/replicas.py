@@ -19,7 +19,6 @@ cache folder, the same ``--kv-redis-url``: db 12, emptied first) and prints:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from multi_turn import stream_chat  # noqa: E402
 
 from examples.server_process import ServerProcess  # noqa: E402
 
@@ -61,23 +62,11 @@ def chat(url: str, messages: list[dict], session: str, max_tokens: int = 16) -> 
         "stream_options": {"include_usage": True},
         "prompt_cache_key": session,
     }
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", {}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text += piece or ""
-            usage = chunk.get("usage") or usage
+    with httpx.Client(base_url=url, timeout=300) as client:
+        text, ttft, usage = stream_chat(client, body)
     details = usage.get("prompt_tokens_details") or {}
     return {
-        "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+        "ttft_s": ttft,
         "text": text,
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": int(usage.get("completion_tokens", 0)),
@@ -194,7 +183,7 @@ def main() -> None:
         session = httpx.get(b.url + "/v1/sessions/thread-lost", timeout=60)
         print(f"the session after the flush: HTTP {session.status_code} "
               f"(turns {session.json().get('turns') if session.status_code == 200 else '-'}; "
-              "the flush lost its row, B's turn recorded it anew)")
+              "the flush lost its row, B's turn recorded it anew)")  # fmt: skip
 
 
 if __name__ == "__main__":

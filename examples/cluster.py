@@ -182,8 +182,8 @@ class Cluster(Managed):
         """The replica whose ``--replica-id`` is ``name``."""
         return self.replicas[self.names.index(name)]
 
-    def start(self) -> Cluster:
-        """Launch every replica, wait for all, then start the router."""
+    def start(self, wait: bool = True) -> Cluster:
+        """Launch every replica, wait for all, then start the router (always waits)."""
         try:
             for r in self.replicas:
                 r.start(wait=False)
