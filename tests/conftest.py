@@ -23,6 +23,70 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# ---------------------------------------------------------------------------- xdist groups
+# ``make test`` runs two pytest-xdist workers with ``--dist loadgroup``: each group below runs
+# whole on one worker, in this order (longest first, so the two workers finish together).
+SHARED_GROUPS: dict[str, tuple[str, ...]] = {
+    # The in-process engine (tests/integration/kv/conftest.py ``llm``): vLLM keeps the KV
+    # connector in a process global, so one engine per process and its modules together.
+    "kv-engine": (
+        "tests/integration/kv/test_connector.py",
+        "tests/integration/kv/test_connector_tails.py",
+        "tests/integration/kv/test_layer_loads_engine.py",
+    ),
+    # Every user of ``smollm2_server``: one worker starts it, not both.
+    "smollm2": (
+        "tests/integration/agents/",
+        "tests/integration/chat/test_integration_standard.py",
+    ),
+}
+PER_TEST_GROUPS = ("tests/examples/test_notebooks.py",)
+"""Modules whose tests are independent groups (each notebook starts its own server)."""
+LONGEST_FIRST = (
+    "smollm2",
+    "tests/examples/test_notebooks.py::test_notebook_runs[02_agentic_rag]",
+    "tests/examples/test_notebooks.py::test_notebook_runs[05_tool_agent]",
+    "tests/integration/server/test_server_faults.py",
+    "tests/integration/kv/test_engines.py",
+    "tests/integration/cluster/test_router.py",
+    "tests/integration/kv/test_tensor_parallel.py",
+    "tests/examples/test_notebooks.py::test_notebook_runs[03_human_in_the_loop]",
+    "tests/integration/thread_session/test_agent_thread.py",
+    "tests/integration/kv/test_compression.py",
+    "tests/integration/server/test_server_lifecycle.py",
+    "kv-engine",
+)
+"""Groups that take a minute or more (``--durations``), longest first; the rest follow in
+collection order. Only the order depends on this list, never what runs."""
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group a test runs in: a shared group, the test itself, or its module."""
+    path = nodeid.split("::", 1)[0]
+    for group, prefixes in SHARED_GROUPS.items():
+        if any(path.startswith(prefix) for prefix in prefixes):
+            return group
+    return nodeid if path in PER_TEST_GROUPS else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its xdist group and, under xdist, put the longest groups first
+    (before xdist's own hook, which reads the marks). A serial run keeps collection order."""
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    groups = {item.nodeid: xdist_group_of(item.nodeid) for item in items}
+    first_seen: dict[str, int] = {}
+    for item in items:
+        group = groups[item.nodeid]
+        first_seen.setdefault(group, len(first_seen))
+        item.add_marker(pytest.mark.xdist_group(group))
+    if not getattr(config.option, "numprocesses", None):
+        return
+    items.sort(  # stable: a group's tests keep their order
+        key=lambda it: (rank.get(groups[it.nodeid], len(rank)), first_seen[groups[it.nodeid]])
+    )
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct, float32), built once into the user cache."""

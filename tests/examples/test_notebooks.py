@@ -60,6 +60,10 @@ def test_notebook_runs(path: Path) -> None:
         client.execute()
     except CellExecutionError as exc:
         pytest.fail(f"{path.name} failed:\n{exc}", pytrace=False)
+    finally:
+        # nbclient leaves a kernel it did not create running (about 1 GB each): shut it down.
+        if km.has_kernel:
+            km.shutdown_kernel(now=False)
     elapsed = time.monotonic() - t0
     pngs = sum(
         "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])

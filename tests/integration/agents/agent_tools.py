@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.tools import BaseTool, tool
 from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel, Field
@@ -88,7 +88,12 @@ def system_prompt() -> str:
 
 
 def react_agent(
-    model: ChatKVCache, *, tool_calls: int, cache_off: bool = False, **kwargs: Any
+    model: ChatKVCache,
+    *,
+    tool_calls: int,
+    cache_off: bool = False,
+    own_prompt: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """``create_react_agent`` over :data:`TOOLS` whose first ``tool_calls`` LLM calls per thread
     are forced tool calls (``tool_choice="required"``) and whose next one answers in text.
@@ -96,6 +101,10 @@ def react_agent(
     ``cache_off``: every call sends a fresh ``cache_salt``, so no KV block of an earlier request
     can match (vLLM mixes the salt into the first block's hash): the reference run. ``kwargs``
     go to ``create_react_agent`` (``checkpointer``, ``interrupt_before``...).
+
+    ``own_prompt``: each thread's system prompt opens with its first question, so threads share
+    no KV block (as agents of different users would not): a few short threads then fill the
+    resident cache that one shared prompt would have let them share.
     """
 
     def choose(state: dict[str, Any], runtime: Any) -> Any:
@@ -106,7 +115,12 @@ def react_agent(
             bound = bound.bind(extra_body={"cache_salt": uuid.uuid4().hex})
         return bound
 
-    return create_react_agent(choose, list(TOOLS), prompt=system_prompt(), **kwargs)
+    def thread_prompt(state: dict[str, Any]) -> list[BaseMessage]:
+        first = next(m for m in state["messages"] if isinstance(m, HumanMessage))
+        return [SystemMessage(f"Question: {first.content}\n{system_prompt()}"), *state["messages"]]
+
+    prompt = thread_prompt if own_prompt else system_prompt()
+    return create_react_agent(choose, list(TOOLS), prompt=prompt, **kwargs)
 
 
 @dataclass(frozen=True)
