@@ -24,8 +24,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # ---------------------------------------------------------------------------- xdist groups
-# ``make test`` runs two pytest-xdist workers with ``--dist loadgroup``: each group below runs
-# whole on one worker, in this order (longest first, so the two workers finish together).
+# ``TEST_WORKERS=2 make test`` runs two pytest-xdist workers with ``--dist loadgroup``: each
+# group below runs whole on one worker, longest first, so the two workers finish together.
 SHARED_GROUPS: dict[str, tuple[str, ...]] = {
     # The in-process engine (tests/integration/kv/conftest.py ``llm``): vLLM keeps the KV
     # connector in a process global, so one engine per process and its modules together.
