@@ -278,6 +278,10 @@ class SessionDeleted:
     """Blocks no other session referenced, now freed."""
     deleted: bool = True
     """Always true."""
+    files_removed: bool = True
+    """The engine confirmed the freed blocks are out of every tier and their files gone; false
+    when it was too busy to confirm within the server's bound (it removes them at its next
+    step; the session is deleted either way)."""
     object: str = "session.deleted"
     """Always ``"session.deleted"``."""
 
@@ -293,7 +297,8 @@ class PrefetchResult:
     blocks: int
     """Blocks of the session."""
     ram_blocks: int
-    """Blocks in RAM once the prefetch finished."""
+    """Blocks in RAM once the prefetch finished (fewer when the engine was too busy to finish
+    the copy within the server's bound; the copy goes on)."""
     object: str = "session.prefetch"
     """Always ``"session.prefetch"``."""
 

@@ -36,6 +36,7 @@ from server.options import (
     parse_lower,
     parse_path,
     parse_seconds,
+    parse_share,
     parse_size,
     setting,
 )
@@ -62,7 +63,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 << 20
 ``--max-model-len`` context where that needs more); vLLM's own CPU default is 92% of the
 memory node, which fails beside any other process of some size."""
 DEFAULT_KV_DISK_BYTES = 16 << 30
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
 """vLLM's hermes parser with the arguments kept as generated (server/tool_parser.py)."""
 DEFAULT_TOOL_STRICT_LEVEL = "parameter"
@@ -137,6 +138,43 @@ class ServerConfig:
     """Serve ``/metrics`` without a key even when keys are set (for a Prometheus scraper that
     sends none). Off: ``/metrics`` needs a key, since it shows every tenant's aggregate
     traffic."""
+
+    session_calls_per_key: int = setting(
+        8, flag="--session-calls-per-key", env="LGKV_SESSION_CALLS_PER_KEY", parse=parse_int,
+        help="session API calls one key may have in flight",
+    )  # fmt: skip
+    """Session API calls one tenant may have in flight; more get HTTP 429 at once (the routes
+    share one pool of 40 worker threads among every tenant)."""
+
+    tenant_max_sessions: int = setting(
+        100_000, flag="--tenant-max-sessions", env="LGKV_TENANT_MAX_SESSIONS", parse=parse_int,
+        help="sessions one key may hold",
+    )  # fmt: skip
+    """Sessions one tenant may hold. Creating or copying into a new one past it gets HTTP 429;
+    a generation that names a new session past it too (delete sessions, or let TTLs expire)."""
+
+    tenant_pin_share: float = setting(
+        0.25, flag="--tenant-pin-share", env="LGKV_TENANT_PIN_SHARE", parse=parse_share,
+        help="share of each tier one key's pinned sessions may fill",
+    )  # fmt: skip
+    """Share (0..1) of each tier, RAM and disk, that one tenant's pinned sessions may fill; a
+    pin that would pass it gets HTTP 409 naming the quota. The same bound holds a tenant's
+    managed marks (sessions a client prefetches rank after every other block): past it a
+    prefetch still runs but marks nothing."""
+
+    tenant_max_unleased_pins: int = setting(
+        16, flag="--tenant-max-unleased-pins", env="LGKV_TENANT_MAX_UNLEASED_PINS",
+        parse=parse_int, help="pins without a lease one key may hold",
+    )  # fmt: skip
+    """Pins without a lease (``pin_ttl_seconds``) one tenant may hold at once; one more gets
+    HTTP 409 (pin with a lease, or unpin another session)."""
+
+    max_pin_lease: float = setting(
+        86_400.0, flag="--max-pin-lease", env="LGKV_MAX_PIN_LEASE", parse=parse_seconds,
+        help="longest pin lease in seconds",
+    )  # fmt: skip
+    """Longest pin lease (``pin_ttl_seconds``) accepted, in seconds; a longer one gets HTTP
+    400."""
 
     kv_cache_memory_bytes: int | None = setting(
         None, flag="--kv-cache-memory-bytes", env="LGKV_KV_CACHE_MEMORY_BYTES", parse=parse_size,
@@ -323,6 +361,11 @@ class ServerConfig:
                 f"--replica-id/LGKV_REPLICA_ID must be 1-200 visible ASCII characters, "
                 f"got {self.replica_id!r}"
             )
+        for name in ("session_calls_per_key", "tenant_max_sessions", "tenant_max_unleased_pins"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_pin_lease is None or self.max_pin_lease <= 0:
+            raise ConfigError("--max-pin-lease must be a number of seconds > 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key/LGKV_API_KEY must not contain empty keys")
 

@@ -34,7 +34,7 @@ def add_flags(parser: argparse.ArgumentParser, *, include_vllm: bool) -> None:
         if s.switch:
             target.add_argument(s.flag, dest=name, action="store_true", default=None, help=s.help)
         elif s.many:
-            target.add_argument(s.flag, dest=name, nargs="+", help=s.help)
+            target.add_argument(s.flag, dest=name, nargs="+", action="extend", help=s.help)
         else:
             target.add_argument(
                 s.flag, dest=name, type=_argtype(s), choices=s.choices, help=s.help

@@ -32,7 +32,7 @@ _UNITS = {
     "tib": 1 << 40,
     "tb": 10**12,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -51,7 +51,7 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
         if value < 0:
             raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
         return value
-    m = _SIZE.match(str(value))
+    m = _SIZE.fullmatch(str(value))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ConfigError(
@@ -92,6 +92,18 @@ def parse_int(value: str, *, name: str) -> int:
         return int(value)
     except ValueError as exc:
         raise ConfigError(f"{name}: expected an integer, got {value!r}") from exc
+
+
+def parse_share(value: str | float, *, name: str) -> float:
+    """Parse a share of a whole: a number in ``0..1`` (``0.25``), or a percentage (``25%``)."""
+    text = str(value).strip()
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: expected a share such as 0.25 or 25%, got {value!r}") from exc
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"{name}: a share must be within 0..1 (0%..100%), got {value!r}")
+    return share
 
 
 def parse_text(value: str, *, name: str) -> str:

@@ -2,9 +2,10 @@
 
 With API keys configured every path needs a valid ``Authorization: Bearer <key>`` except
 :data:`PUBLIC_PATHS` (``/health``; ``/metrics`` too when the operator opts in with
-``--metrics-public``) and CORS preflights (``OPTIONS``). The check runs in
-:class:`server.api.chat.SessionRequestMiddleware` before any body is read, so a request without a
-key gets 401 whatever it sends. Without keys there is one tenant, ``default``.
+``--metrics-public``) and real CORS preflights (``OPTIONS`` with ``Origin`` and
+``Access-Control-Request-Method``; :func:`is_preflight`), which the CORS layer answers itself.
+The check runs in :class:`server.api.chat.SessionRequestMiddleware` before any body is read, so
+a request without a key gets 401 whatever it sends. Without keys there is one tenant, ``default``.
 
 A tenant is derived from its key (:func:`tenant_of_key`) and is not a secret: it appears in
 session objects. Nothing in a request body chooses it.
@@ -29,6 +30,14 @@ def tenant_of_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
 
 
+def is_preflight(headers: Headers | None) -> bool:
+    """A CORS preflight carries both ``Origin`` and ``Access-Control-Request-Method`` (an
+    ``OPTIONS`` without ``Origin`` goes past Starlette's CORS layer to the route itself)."""
+    return (
+        headers is not None and "origin" in headers and "access-control-request-method" in headers
+    )
+
+
 def bearer_token(headers: Headers) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, else ``None``."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -51,9 +60,12 @@ class KeyRing:
         """Whether the server has keys at all (else everyone is tenant ``default``)."""
         return bool(self._digests)
 
-    def needs_key(self, path: str, method: str) -> bool:
-        """Whether ``method path`` must carry a valid key."""
-        if not self._digests or method == "OPTIONS":
+    def needs_key(self, path: str, method: str, headers: Headers | None = None) -> bool:
+        """Whether ``method path`` must carry a valid key: every request but the public paths
+        and a real CORS preflight (:func:`is_preflight`: ``OPTIONS`` with ``Origin`` and
+        ``Access-Control-Request-Method``, which vLLM's CORS layer answers without reaching a
+        route). Any other ``OPTIONS`` needs the key like ``GET``."""
+        if not self._digests or (method == "OPTIONS" and is_preflight(headers)):
             return False
         return not any(path == p or path.startswith(p + "/") for p in self.public_paths)
 
@@ -78,4 +90,3 @@ class KeyRing:
             return DEFAULT_TENANT
         token = bearer_token(headers)
         return tenant_of_key(token) if token is not None else "unauthenticated"
-

@@ -6,7 +6,9 @@ every request, in this order and before any route runs:
 1. with API keys configured, a path that is not public needs a valid bearer key: 401 before the
    body is read (:class:`server.api.auth.KeyRing`);
 2. the body is capped (413 past ``max_body_bytes``), and a JSON body nesting deeper than
-   :data:`MAX_JSON_DEPTH` gets 400;
+   :data:`MAX_JSON_DEPTH` gets 400 (read from the bytes before any parse:
+   :func:`server.api.json_body.nesting_depth`); bodies over :data:`INLINE_BODY_BYTES` are
+   checked and rewritten in a worker thread, one at a time, never on the event loop;
 3. the JSON body of the generation routes (:data:`server.api.routes.GENERATION_PATHS`) is
    rewritten by :func:`rewrite_body`, so vLLM's serving code receives
    ``vllm_xargs = {..., "session_id": sid, "tenant": tenant}`` (copied by vLLM into
@@ -22,22 +24,34 @@ Routes that could reach the engine without this rewrite are not served at all
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from langgraph_kvcache.contract import REPLICA_HEADER, XARG_SESSION, XARG_TENANT
-from server.api.auth import KeyRing
+from langgraph_kvcache.contract import REPLICA_HEADER, XARG_OP, XARG_SESSION, XARG_TENANT
+from server.api.auth import KeyRing, is_preflight
+from server.api.json_body import nesting_depth
 from server.api.protocol import APIError, check_session_id, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
+
+if TYPE_CHECKING:
+    from server.kv.registry.turn_watch import TurnWatch
 
 SALT_PREFIX = "lgkv-"
 MAX_JSON_DEPTH = 100
 """Deepest nesting of arrays/objects accepted in a JSON body (deeper: HTTP 400)."""
+INLINE_BODY_BYTES = 64 << 10
+"""Bodies up to this size are checked and rewritten on the event loop (well under a
+millisecond); larger ones in a worker thread."""
 SERVER_OWNED_FIELDS = ("kv_transfer_params",)
 """Body fields only the server sets; a request that sends one gets 400."""
+SERVER_OWNED_XARGS = (XARG_OP, "kv_transfer_params")
+"""``vllm_xargs`` keys only the server sets (vLLM copies ``vllm_xargs`` into
+``SamplingParams.extra_args``, where the connector reads its control ops and vLLM its transfer
+parameters); a request that sends one gets 400."""
 UNAUTHORIZED = (
     "missing or wrong API key: send the header 'Authorization: Bearer <key>' with a key the "
     "server was started with (--api-key / LGKV_API_KEY)"
@@ -56,7 +70,7 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
     Raises:
         APIError: 400 when the names disagree, a session id is malformed, ``vllm_xargs`` is
             not an object, ``cache_salt`` is not a string, or the body sets a field only the
-            server sets (``kv_transfer_params``).
+            server sets (``kv_transfer_params``, and in ``vllm_xargs`` also ``lgkv_op``).
     """
     out = dict(body)
     for owned in SERVER_OWNED_FIELDS:
@@ -68,6 +82,9 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
     elif not isinstance(xargs, dict):
         raise APIError(400, "vllm_xargs must be a JSON object")
     xargs = dict(xargs)
+    for owned in SERVER_OWNED_XARGS:
+        if owned in xargs:
+            raise APIError(400, f"vllm_xargs.{owned} is set by the server; remove it")
     named: dict[str, object] = {}
     for field in ("prompt_cache_key", "session_id"):
         value = out.pop(field, None)
@@ -93,23 +110,6 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
     return out
 
 
-def json_depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0), computed without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
 class _TooLarge(Exception):
     pass
 
@@ -125,6 +125,9 @@ class SessionRequestMiddleware:
         self.max_body_bytes = max_body_bytes
         self.keys = keys
         self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
+        self._large = asyncio.Semaphore(1)
+        """Bodies over :data:`INLINE_BODY_BYTES` are checked in a worker thread one at a
+        time, so the event loop gets the GIL back between two parses."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -135,13 +138,13 @@ class SessionRequestMiddleware:
         headers = Headers(scope=scope)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         method = scope.get("method", "GET")
-        if self.keys.needs_key(path, method) and not self.keys.valid(headers):
+        if self.keys.needs_key(path, method, headers) and not self.keys.valid(headers):
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
                 return
             await error_response(401, UNAUTHORIZED)(scope, receive, send)
             return
-        if method == "OPTIONS" and "access-control-request-method" not in headers:
+        if method == "OPTIONS" and not is_preflight(headers):
             await _options(scope, receive, send)  # CORS preflights go on to vLLM's CORS layer
             return
         if scope["type"] != "http" or method in ("GET", "HEAD", "OPTIONS"):
@@ -153,7 +156,11 @@ class SessionRequestMiddleware:
             return
         try:
             body = await self._read(receive)
-            body = self._check(body, path, headers)
+            if len(body) <= INLINE_BODY_BYTES:
+                body, session = self._check(body, path, headers)
+            else:  # off the event loop, one at a time (a parse holds the GIL throughout)
+                async with self._large:
+                    body, session = await asyncio.to_thread(self._check, body, path, headers)
         except _TooLarge:
             await self._too_large(scope, receive, send)
             return
@@ -164,34 +171,43 @@ class SessionRequestMiddleware:
         scope["headers"] = [
             (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
         ] + [(b"content-length", str(len(body)).encode())]
-        await self.app(scope, _replay(body, receive), send)
+        turns = _turn_watch(scope) if session is not None else None
+        if turns is None or session is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        started, status = turns.started(*session), [0]
+        try:
+            await self.app(scope, _replay(body, receive), _status_of(send, status))
+        finally:  # the session API waits for this turn's record (server.kv.registry.turn_watch)
+            turns.finished(*session, started, ok=status[0] == 200)
 
-    def _check(self, body: bytes, path: str, headers: Headers) -> bytes:
-        """Bound the JSON nesting of ``body``; rewrite it on the generation routes."""
+    def _check(
+        self, body: bytes, path: str, headers: Headers
+    ) -> tuple[bytes, tuple[str, str] | None]:
+        """Bound the JSON nesting of ``body``; rewrite it on the generation routes. Returns the
+        body and the (tenant, session id) a generation names (else None)."""
         generation = path in GENERATION_PATHS
         is_json = "json" in headers.get("content-type", "") or path.startswith(SESSION_PREFIX)
         if not body.strip() or not (generation or is_json):
-            return body
-        try:
-            data = json.loads(body)
-        except RecursionError:
-            data, too_deep = None, True
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            if generation:
-                raise APIError(400, "the request body is not valid JSON") from None
-            return body  # the route answers with its own message
-        else:
-            too_deep = json_depth(data) > MAX_JSON_DEPTH
-        if too_deep:
+            return body, None
+        if nesting_depth(body) > MAX_JSON_DEPTH:  # from the bytes, before any parse
             raise APIError(
                 400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels; flatten it"
             )
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            if generation:
+                raise APIError(400, "the request body is not valid JSON") from None
+            return body, None  # the route answers with its own message
         if not generation:
-            return body
+            return body, None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
-        out = rewrite_body(data, self.keys.tenant(headers), salted=self.keys.enabled)
-        return json.dumps(out).encode()
+        tenant = self.keys.tenant(headers)
+        out = rewrite_body(data, tenant, salted=self.keys.enabled)
+        sid = out["vllm_xargs"].get(XARG_SESSION)
+        return json.dumps(out).encode(), (tenant, str(sid)) if sid is not None else None
 
     async def _read(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -232,6 +248,25 @@ async def _options(scope: Scope, receive: Receive, send: Send) -> None:
         return
     allow = ", ".join(sorted(methods | {"OPTIONS"}))
     await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
+
+
+def _turn_watch(scope: Scope) -> TurnWatch | None:
+    """The session control's :class:`TurnWatch` of the app serving ``scope`` (None without the
+    KV connector)."""
+    state = getattr(scope.get("app"), "state", None)
+    control = getattr(state, "session_control", None)
+    return getattr(control, "turns", None)
+
+
+def _status_of(send: Send, status: list[int]) -> Send:
+    """``send`` that notes the response's status code in ``status[0]``."""
+
+    async def noting(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = int(message["status"])
+        await send(message)
+
+    return noting
 
 
 def _with_header(send: Send, header: tuple[bytes, bytes]) -> Send:

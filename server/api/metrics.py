@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$")
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 _HELP = {
@@ -33,6 +33,7 @@ _HELP = {
 }
 """Help text per metric family; every sample ``metrics()`` returns belongs to one of these."""
 
+
 def family_of(name: str) -> tuple[str, str]:
     """The Prometheus family and type of a sample name.
 
@@ -46,7 +47,7 @@ def family_of(name: str) -> tuple[str, str]:
 
 def parse_sample(key: str) -> tuple[str, dict[str, str]]:
     """Split ``'lgkv_tier_bytes{tier="ram"}'`` into its name and labels."""
-    m = _SAMPLE.match(key.strip())
+    m = _SAMPLE.fullmatch(key.strip())
     if m is None:
         raise ValueError(f"not a Prometheus sample name: {key!r}")
     labels = dict(_LABEL.findall(m.group(2) or ""))

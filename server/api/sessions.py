@@ -2,14 +2,16 @@
 
 Routes sit under ``/v1`` and so behind the same bearer-key check as the OpenAI routes; each
 request acts for its own tenant (a session of another tenant is a 404). Registry calls are
-blocking SQLite (or Redis) work and run in a worker thread. With ``--no-kv-offload`` every
+blocking SQLite (or Redis) work and run in a worker thread; none waits behind generation (see
+:mod:`server.kv.registry.control`). With ``--no-kv-offload`` every
 route answers 503, and so does a route whose sessions' Redis (``--kv-redis-url``) is
 unreachable (the message says so).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 from fastapi import APIRouter, Path, Request
@@ -41,8 +43,10 @@ if TYPE_CHECKING:
     from server.kv.registry.control import SessionControl
 
 T = TypeVar("T")
+DEFAULT_SESSION_CALLS_PER_KEY = 8
+"""Session API calls one tenant may have in flight (``--session-calls-per-key``)."""
 router = APIRouter(
-    prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 401, 503)
+    prefix="/v1/sessions", tags=["sessions"], responses=error_responses(400, 401, 429, 503)
 )
 _ONE = error_responses(404)
 
@@ -63,9 +67,51 @@ def _tenant(request: Request) -> str:
     return cast(str, request.app.state.key_ring.tenant(request.headers))
 
 
-async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking control call in a thread, mapping its errors to HTTP codes."""
-    return cast(T, await _guard(run_in_threadpool, fn, *args, **kwargs))
+class TenantGate:
+    """Session API calls in flight per tenant, so that one key cannot take every worker thread
+    (Starlette's pool has 40): past ``limit`` a call gets 429 at once. Used on the event loop
+    only, so a plain counter suffices."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def enter(self, tenant: str) -> Iterator[None]:
+        """Count one call of ``tenant`` for the block's duration; 429 past the limit."""
+        held = self._in_flight.get(tenant, 0)
+        if held >= self.limit:
+            raise APIError(
+                429,
+                f"this key has {held} session API calls in flight, the most the server "
+                f"allows (--session-calls-per-key); wait for them and retry",
+            )
+        self._in_flight[tenant] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[tenant] - 1
+            if left:
+                self._in_flight[tenant] = left
+            else:
+                del self._in_flight[tenant]
+
+
+def _gate(request: Request) -> TenantGate:
+    state = request.app.state
+    gate = getattr(state, "session_gate", None)
+    if gate is None:
+        config = getattr(state, "lgkv_config", None)
+        limit = getattr(config, "session_calls_per_key", DEFAULT_SESSION_CALLS_PER_KEY)
+        gate = state.session_gate = TenantGate(limit)
+    return cast(TenantGate, gate)
+
+
+async def _call(request: Request, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking control call in a thread (at most the per-key limit of them for the
+    caller's tenant), mapping its errors to HTTP codes."""
+    with _gate(request).enter(_tenant(request)):
+        return cast(T, await _guard(run_in_threadpool, fn, *args, **kwargs))
 
 
 async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -107,7 +153,7 @@ async def list_sessions(request: Request) -> SessionList:
     control = _control(request)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31)
-    infos = await _call(control.list, _tenant(request), limit=limit, offset=offset)
+    infos = await _call(request, control.list, _tenant(request), limit=limit, offset=offset)
     return SessionList(data=infos)
 
 
@@ -124,6 +170,7 @@ async def create_session(request: Request) -> Session:
     body = cast(SessionCreate, parse_body(SessionCreate, await request.body()))
     sid = check_session_id(body.id, field="id")
     return await _call(
+        request,
         control.create, sid, _tenant(request), ttl_seconds=body.ttl_seconds, pinned=body.pinned
     )
 
@@ -133,7 +180,7 @@ async def get_session(session_id: SessionId, request: Request) -> Session:
     """``GET /v1/sessions/{id}``; 404 when unknown."""
     control = _control(request)
     check_session_id(session_id)
-    return await _call(control.get, session_id, _tenant(request))
+    return await _call(request, control.get, session_id, _tenant(request))
 
 
 @router.patch(
@@ -150,6 +197,7 @@ async def update_session(session_id: SessionId, request: Request) -> Session:
     body = cast(SessionUpdate, parse_body(SessionUpdate, await request.body()))
     ttl = body.ttl_seconds if "ttl_seconds" in body.model_fields_set else UNSET
     return await _call(
+        request,
         control.update,
         session_id,
         _tenant(request),
@@ -164,10 +212,13 @@ async def delete_session(session_id: SessionId, request: Request) -> SessionDele
     """``DELETE /v1/sessions/{id}``: drop the session and the blocks only it used."""
     control = _control(request)
     check_session_id(session_id)
-    freed = await _call(control.delete, session_id, _tenant(request))
-    if freed:
-        await control.settle()  # the engine removes the blocks and their files before we answer
-    return SessionDeleted(id=session_id, freed_blocks=freed)
+    freed = await _call(request, control.delete, session_id, _tenant(request))
+    removed = True
+    if freed:  # the engine removes the blocks and their files before we answer (bounded)
+        from server.kv.registry.control import DELETE_SETTLE_S
+
+        removed = await control.settle(DELETE_SETTLE_S)
+    return SessionDeleted(id=session_id, freed_blocks=freed, files_removed=removed)
 
 
 async def _set_pin(
@@ -176,6 +227,7 @@ async def _set_pin(
     control = _control(request)
     check_session_id(session_id)
     return await _call(
+        request,
         control.update, session_id, _tenant(request), pinned=pinned, pin_ttl_seconds=pin_ttl
     )
 
@@ -205,7 +257,8 @@ async def prefetch_session(session_id: SessionId, request: Request) -> PrefetchR
     control = _control(request)
     check_session_id(session_id)
     tenant = _tenant(request)
-    counts = await _guard(control.prefetch, session_id, tenant)
+    with _gate(request).enter(tenant):
+        counts = await _guard(control.prefetch, session_id, tenant)
     return PrefetchResult(session_id, blocks=counts["blocks"], ram_blocks=counts["ram_blocks"])
 
 
@@ -222,4 +275,5 @@ async def copy_session(session_id: SessionId, request: Request) -> Session:
     check_session_id(session_id)
     body = cast(SessionCopy, parse_body(SessionCopy, await request.body()))
     target = check_session_id(body.target_id, field="target_id")
-    return await _call(control.copy, session_id, target, _tenant(request), overwrite=body.overwrite)
+    tenant = _tenant(request)
+    return await _call(request, control.copy, session_id, target, tenant, overwrite=body.overwrite)

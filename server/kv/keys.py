@@ -16,8 +16,8 @@ import re
 import struct
 from pathlib import Path
 
-_HEX = re.compile(r"^[0-9a-f]{16,128}$")
-_RANKED = re.compile(r"^([0-9a-f]{16,128})\.r([0-9]{1,4})$")
+_HEX = re.compile(r"[0-9a-f]{16,128}")
+_RANKED = re.compile(r"([0-9a-f]{16,128})\.r([0-9]{1,4})")
 
 BLOCK_SUFFIX = ".kvb"
 """File name suffix of a block file in the disk tier."""
@@ -34,7 +34,7 @@ def block_key(block_hash: bytes) -> str:
 
 def check_key(key: str) -> str:
     """Return ``key`` if it is a well-formed block key, else raise :class:`InvalidBlockKey`."""
-    if not _HEX.match(key):
+    if not _HEX.fullmatch(key):
         raise InvalidBlockKey(f"not a block key: {key!r} (expected lowercase hex)")
     return key
 
@@ -54,9 +54,9 @@ def parse_block_name(path: Path) -> tuple[str, int | None] | None:
     if not name.endswith(BLOCK_SUFFIX):
         return None
     stem = name[: -len(BLOCK_SUFFIX)]
-    if _HEX.match(stem):
+    if _HEX.fullmatch(stem):
         return stem, None
-    ranked = _RANKED.match(stem)
+    ranked = _RANKED.fullmatch(stem)
     return (ranked.group(1), int(ranked.group(2))) if ranked else None
 
 

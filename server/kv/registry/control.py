@@ -26,20 +26,20 @@ requests and reads state.
    removed the files, so a ``DELETE`` answers when the blocks are gone. ``collective_rpc`` was
    not used: it reaches workers only, not the scheduler that owns the index and the RAM slots.
 
-The engine writes its own records (finished turns, block locations, counters) on a background
-thread, moments after a request finished and never on vLLM's scheduler thread. So that a read
-or change of sessions here sees every turn that finished before it (and a delete is never
-followed by a late record of an earlier turn), the methods that read or change sessions first
-run a ``BARRIER_OP`` request the same way (:meth:`SessionControl.catch_up`); the engine lets
-it finish once the records queued before it are committed and the changes recorded before
-it are applied. :meth:`SessionControl.metrics` reads
-without it (counters are published every ``--kv-stats-flush`` seconds).
+The session routes never wait behind generation: they read and change the registry directly.
+Pins, TTLs, copies and deletes reach the engine through the registry's feeds (point 1). The
+engine records a finished turn on its registry thread moments after the request finished; so
+that a read or change of a session sees every turn of it that this process served before the
+call, a call waits for those records only (:class:`server.kv.registry.turn_watch.TurnWatch`,
+bounded, never through the engine's queue). The engine's queue is used where the engine itself
+must act: ``prefetch`` (bounded by ``PREFETCH_WAIT_S``; the copy goes on after the answer) and
+the removal of a deleted session's files (:meth:`SessionControl.settle`, bounded by
+``DELETE_SETTLE_S``; the answer says whether the files are gone).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -48,7 +48,6 @@ import uuid
 from pathlib import Path
 
 from langgraph_kvcache.contract import (
-    BARRIER_OP,
     PREFETCH_OP,
     SYNC_OP,
     UNSET,
@@ -67,13 +66,19 @@ from server.kv.registry.api import RegistryUnavailable
 from server.kv.registry.drop_watch import DropWatcher
 from server.kv.registry.shared import SharedRegistry, open_registry
 from server.kv.registry.sql import SessionRow, TierCount
+from server.kv.registry.turn_watch import TurnWatch
 from server.kv.settings import REGISTRY_FILE
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_TIMEOUT_S = 60.0
-"""Longest wait for the engine in :meth:`SessionControl.catch_up` (then the read goes ahead,
-with a warning)."""
+SETTLE_TIMEOUT_S = 60.0
+"""Longest wait for the engine to apply drops when another replica's drops wake it."""
+DELETE_SETTLE_S = 10.0
+"""Longest wait of ``DELETE`` for the engine to remove the freed blocks' files (then it answers
+``files_removed: false``; the engine removes them at its next step)."""
+PREFETCH_WAIT_S = 1.0
+"""Longest wait of ``prefetch`` for the engine's copy disk -> RAM (then it answers with the
+blocks in RAM so far; the copy goes on)."""
 
 _COUNTERS = (
     'lgkv_hit_blocks_total{tier="ram"}',
@@ -136,6 +141,9 @@ class SessionControl:
         )
         """Sessions in the SQLite file, or in Redis (shared by the replicas) with
         ``redis_url``; this replica's block locations and counters in the file either way."""
+        self.turns = TurnWatch()
+        """This process's turns whose records the registry may not show yet; the request
+        middleware reports every generation of a named session to it."""
         self._watcher: DropWatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         """The event loop the engine client runs on (built inside it, as the app does)."""
@@ -149,14 +157,14 @@ class SessionControl:
         """A tenant's live sessions, most recently used first."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
-        self.catch_up()
+        self.catch_up(tenant)
         rows = self.registry.list_sessions(tenant, limit, offset)
         return [self._info(r) for r in rows if _readable(r) and not _expired(r)]
 
     def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
         check_session_id(session_id)
-        self.catch_up()
+        self.catch_up(tenant, session_id)
         return self._info(self._row(session_id, tenant))
 
     # --------------------------------------------------------------- mutations
@@ -173,7 +181,7 @@ class SessionControl:
         check_session_id(session_id)
         check_ttl(ttl_seconds)
         ttl = ttl_seconds if ttl_seconds is not None else self.default_ttl_s
-        self.catch_up()
+        self.catch_up(tenant, session_id)
         if not self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned):
             raise SessionExists(f"session {session_id!r} already exists")
         return self._info(self._row(session_id, tenant))
@@ -194,7 +202,7 @@ class SessionControl:
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
         lease = check_ttl(pin_ttl_seconds, field="pin_ttl_seconds")
         pinned = check_pin_update(pinned, lease)
-        self.catch_up()
+        self.catch_up(tenant, session_id)
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned, pin_ttl_s=lease
         ):
@@ -208,16 +216,24 @@ class SessionControl:
         next step, or at once through :meth:`settle` (see the module docstring).
         """
         check_session_id(session_id)
-        self.catch_up()
+        self.catch_up(tenant, session_id)  # no late record of a served turn brings it back
         orphans = self.registry.delete_session(tenant, session_id)
         if orphans is None:
             raise SessionNotFound(f"session {session_id!r} not found")
         return len(orphans)
 
-    async def settle(self) -> None:
-        """Have the engine apply recorded deletes and expiries now; returns once the freed
-        blocks are out of every tier and their files are gone (no engine: returns at once)."""
-        await self._engine_op(SYNC_OP, {})
+    async def settle(self, timeout_s: float | None = None) -> bool:
+        """Have the engine apply recorded deletes and expiries now; returns True once the freed
+        blocks are out of every tier and their files are gone (no engine: at once), False when
+        the engine did not confirm within ``timeout_s`` (it goes on, and applies them at its
+        next step anyway)."""
+        op = asyncio.ensure_future(self._engine_op(SYNC_OP, {}))
+        try:
+            await asyncio.wait_for(asyncio.shield(op), timeout_s)
+        except TimeoutError:
+            log.warning("the engine did not apply a delete within %.0f s; it will", timeout_s)
+            return False
+        return True
 
     def copy(
         self, source_id: str, target_id: str, tenant: str, *, overwrite: bool = False
@@ -227,7 +243,8 @@ class SessionControl:
         check_session_id(target_id)
         if source_id == target_id:
             raise SessionExists(f"session {target_id!r} is the source itself")
-        self.catch_up()
+        self.catch_up(tenant, source_id)
+        self.catch_up(tenant, target_id)
         result = self.registry.copy_session(tenant, source_id, target_id, overwrite=overwrite)
         if result == "no_source":
             raise SessionNotFound(f"session {source_id!r} not found")
@@ -237,19 +254,28 @@ class SessionControl:
             )
         return self._info(self._row(target_id, tenant))
 
-    async def prefetch(self, session_id: str, tenant: str) -> dict[str, int]:
-        """Move the session's blocks disk -> RAM in the engine now; return block counts."""
+    async def prefetch(
+        self, session_id: str, tenant: str, *, wait_s: float = PREFETCH_WAIT_S
+    ) -> dict[str, int]:
+        """Move the session's blocks disk -> RAM in the engine now; return block counts (the
+        blocks in RAM when the copy finished, or after ``wait_s`` while the engine is busy:
+        the copy goes on). Registry calls run in a worker thread, never on the event loop."""
         check_session_id(session_id)
-        try:
-            row = self._row(session_id, tenant)
-        except SessionNotFound:  # its first turn may be finishing right now
-            await self.settle()
-            row = self._row(session_id, tenant)
-        self.registry.mark_managed(tenant, session_id)
+        row = await asyncio.to_thread(self._prefetch_row, session_id, tenant)
         if row.num_blocks:
-            await self._engine_op(PREFETCH_OP, {XARG_SESSION: session_id, XARG_TENANT: tenant})
-        usage = self.registry.tier_usage(tenant, session_id)
+            op = asyncio.ensure_future(
+                self._engine_op(PREFETCH_OP, {XARG_SESSION: session_id, XARG_TENANT: tenant})
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(op), wait_s)
+        usage = await asyncio.to_thread(self.registry.tier_usage, tenant, session_id)
         return {"blocks": row.num_blocks, "ram_blocks": usage["ram"].blocks}
+
+    def _prefetch_row(self, session_id: str, tenant: str) -> SessionRow:
+        self.catch_up(tenant, session_id)  # its first turn may be finishing right now
+        row = self._row(session_id, tenant)
+        self.registry.mark_managed(tenant, session_id)
+        return row
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples: this replica's engine counters (local), and the number of
@@ -275,7 +301,7 @@ class SessionControl:
             if loop is not None and not loop.is_closed():
                 future = asyncio.run_coroutine_threadsafe(self.settle(), loop)
                 with contextlib.suppress(Exception):
-                    future.result(timeout=CATCH_UP_TIMEOUT_S)
+                    future.result(timeout=SETTLE_TIMEOUT_S)
 
         self._watcher = DropWatcher(self.registry.sessions, wake)
 
@@ -286,29 +312,18 @@ class SessionControl:
         with contextlib.suppress(Exception):
             self.registry.close()
 
-    def catch_up(self) -> None:
-        """Block until the engine committed every turn that finished before this call and
-        applied every change recorded so far (a ``BARRIER_OP``; see the module docstring). Runs
-        in the caller's thread (the routes call from a worker thread); does nothing without an
-        engine client or when called on the engine's event loop itself. Raises
-        :class:`RegistryUnavailable` first when the sessions' Redis does not answer."""
-        self.registry.ping()  # Redis down: RegistryUnavailable (503) now, not after the wait
-        loop = self._loop
-        if self.engine_client is None or loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                return  # waiting here would block the loop the op needs
-        future = asyncio.run_coroutine_threadsafe(self._engine_op(BARRIER_OP, {}), loop)
-        try:
-            future.result(timeout=CATCH_UP_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            log.warning(
-                "the engine did not confirm its session records within %.0f s; "
-                "answering from the registry as it is",
-                CATCH_UP_TIMEOUT_S,
-            )
+    def catch_up(self, tenant: str, session_id: str | None = None) -> None:
+        """Wait until the registry shows every turn of the session (every session of
+        ``tenant`` when ``session_id`` is None) that this process served before the call
+        (:class:`TurnWatch`; bounded, and free when none is pending). Never waits for the
+        engine's queue. Raises :class:`RegistryUnavailable` first when the sessions' Redis
+        does not answer."""
+        self.registry.ping()  # Redis down: RegistryUnavailable (503) now
+        self.turns.wait(tenant, session_id, self._last_used)
+
+    def _last_used(self, tenant: str, session_id: str) -> float | None:
+        row = self.registry.get_session(tenant, session_id)
+        return None if row is None else row.last_used_at
 
     # ----------------------------------------------------------------- helpers
 

@@ -73,10 +73,10 @@ def write_direct(path: Path, head: bytes, data: memoryview) -> None:
     page-aligned scratch buffer; the payload's whole pages go straight from ``data``."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)  # every tenant's KV: the server's user only
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, flags, 0o644)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o600)
     try:
         page = mmap.mmap(-1, PAGE)  # anonymous mappings are page-aligned
         try:

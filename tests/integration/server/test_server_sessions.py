@@ -76,6 +76,7 @@ def test_create_get_list_patch_pin_delete(lgkv_server: ServerProcess) -> None:
         assert deleted.status_code == 200
         assert deleted.json() == {
             "id": "api-life", "object": "session.deleted", "deleted": True, "freed_blocks": 0,
+            "files_removed": True,
         }  # fmt: skip
         assert c.get("/v1/sessions/api-life").status_code == 404
 

@@ -35,7 +35,7 @@ VLLM_GENERATION_ROUTES = (
 
 @pytest.fixture(scope="module")
 def keyed(start_server: ServerFactory) -> ServerProcess:
-    return start_server("--api-key", "key-alice", "key-bob")
+    return start_server("--api-key", "key-alice", "--api-key", "key-bob")  # both kept
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +178,31 @@ def test_metrics_need_a_key(keyed: ServerProcess) -> None:
         assert c.get("/metrics").status_code == 401
         assert c.get("/metrics", headers=ALICE).status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_options_needs_a_key_unless_it_is_a_real_preflight(keyed: ServerProcess) -> None:
+    """``OPTIONS /metrics`` with ``Access-Control-Request-Method`` and no ``Origin`` went past
+    the CORS layer to the metrics app, which answered every metric without a key."""
+    acrm = {"Access-Control-Request-Method": "GET"}
+    with keyed.client() as c:
+        for headers in ({}, acrm, {"Origin": "https://app.example"}):
+            r = c.options("/metrics", headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert "lgkv_" not in r.text and "vllm:" not in r.text
+        assert c.options("/metrics", headers={**acrm, **ALICE}).status_code in (200, 204)
+        preflight = c.options("/metrics", headers={**acrm, "Origin": "https://app.example"})
+        assert preflight.status_code in (200, 400), preflight.text  # the CORS layer's answer
+        assert "lgkv_" not in preflight.text and "vllm:" not in preflight.text
+        assert "access-control-allow-methods" in preflight.headers
+
+
+def test_server_only_xargs_are_refused(keyed: ServerProcess) -> None:
+    """A client's ``vllm_xargs.lgkv_op`` ran as an internal control request (its session never
+    recorded) and ``vllm_xargs.kv_transfer_params`` gave a 500."""
+    with keyed.client() as c:
+        for owned, value in (("lgkv_op", "sync"), ("kv_transfer_params", "x")):
+            body = {**_chat_body(keyed.model, session_id="xargs"), "vllm_xargs": {owned: value}}
+            r = c.post("/v1/chat/completions", json=body, headers=ALICE)
+            assert r.status_code == 400, r.text
+            assert f"vllm_xargs.{owned}" in r.json()["error"]["message"]
+        assert c.get("/v1/sessions/xargs", headers=ALICE).status_code == 404

@@ -114,7 +114,7 @@ def test_defaults_are_laptop_friendly() -> None:
     assert cfg.port == 8000 and cfg.host == "127.0.0.1"
     assert cfg.kv_offload is True
     assert cfg.cache_dir == default_cache_dir() / "kv"
-    assert cfg.max_body_bytes == 8 << 20
+    assert cfg.max_body_bytes == 4 << 20  # modest: a large body is parsed holding the GIL
 
 
 @pytest.mark.vllm
@@ -253,3 +253,15 @@ def test_cli_reports_bad_values_as_usage_errors(capsys: pytest.CaptureFixture[st
         main(["serve", "--kv-ram-bytes", "lots"])
     assert info.value.code == 2
     assert "kv-ram-bytes" in capsys.readouterr().err
+
+
+def test_api_key_flag_repeats_and_keeps_every_key(tmp_path: Path) -> None:
+    """``--api-key A --api-key B`` keeps both keys (it kept only the last one)."""
+    argv = ["/m", "--cache-dir", str(tmp_path), "--api-key", "keyA", "--api-key", "keyB", "keyC"]
+    assert config_from_argv(argv, env={}).api_keys == ("keyA", "keyB", "keyC")
+
+
+@pytest.mark.parametrize("text", ["512MiB\nx", "12\n3"])
+def test_parse_size_wants_the_whole_text(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(text, name="--kv-ram-bytes")

@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from server.api.auth import KeyRing, tenant_of_key
-from server.api.chat import MAX_JSON_DEPTH, SessionRequestMiddleware, json_depth, rewrite_body
+from server.api.chat import MAX_JSON_DEPTH, SessionRequestMiddleware, rewrite_body
+from server.api.json_body import nesting_depth
 from server.api.protocol import APIError
 
 
@@ -48,9 +49,7 @@ def test_client_cannot_pick_its_tenant_or_salt() -> None:
     assert rewrite_body({}, "abcd", salted=True)["cache_salt"] == "lgkv-abcd"
 
 
-@pytest.mark.parametrize(
-    "victim_salt", ["lgkv-abcd", "lgkv-abcd|x", "abcd", "", "|", "lgkv-abcd|"]
-)
+@pytest.mark.parametrize("victim_salt", ["lgkv-abcd", "lgkv-abcd|x", "abcd", "", "|", "lgkv-abcd|"])
 def test_no_client_salt_yields_another_tenants_salt(victim_salt: str) -> None:
     victims = {rewrite_body({}, "abcd", salted=True)["cache_salt"]}
     victims.add(rewrite_body({"cache_salt": "x"}, "abcd", salted=True)["cache_salt"])
@@ -65,6 +64,10 @@ def test_server_owned_fields_are_400() -> None:
     assert info.value.status == 400
     with pytest.raises(APIError, match="cache_salt must be a string"):
         rewrite_body({"cache_salt": 5}, "t", salted=True)
+    for owned, value in (("lgkv_op", "sync"), ("lgkv_op", None), ("kv_transfer_params", "x")):
+        with pytest.raises(APIError, match=f"vllm_xargs.{owned} is set by the server") as info:
+            rewrite_body({"vllm_xargs": {owned: value}}, "t", salted=False)
+        assert info.value.status == 400
 
 
 @pytest.mark.parametrize(
@@ -100,20 +103,34 @@ def test_key_ring_tenants() -> None:
 def test_key_ring_public_paths() -> None:
     ring = KeyRing(("k",))
     assert not ring.needs_key("/health", "GET")
-    assert not ring.needs_key("/v1/models", "OPTIONS")  # CORS preflight
+    preflight = Headers({"origin": "https://app.example", "access-control-request-method": "GET"})
+    assert not ring.needs_key("/v1/models", "OPTIONS", preflight)  # a real CORS preflight
+    assert ring.needs_key("/metrics", "OPTIONS")  # not a preflight: the key, like GET
+    assert ring.needs_key("/metrics", "OPTIONS", Headers({"access-control-request-method": "GET"}))
     for path in ("/metrics", "/invocations", "/tokenize", "/v1/models", "/openapi.json", "/"):
         assert ring.needs_key(path, "POST") and ring.needs_key(path, "GET")
     assert not KeyRing(("k",), metrics_public=True).needs_key("/metrics", "GET")
     assert not KeyRing(()).needs_key("/invocations", "POST")
 
 
-def test_json_depth() -> None:
-    assert json_depth(1) == 0
-    assert json_depth({"a": [1, {"b": []}]}) == 4
-    deep: list = []
-    for _ in range(10_000):
-        deep = [deep]
-    assert json_depth(deep) == 10_001
+def test_nesting_depth_reads_the_bytes() -> None:
+    assert nesting_depth(b"1") == 0
+    assert nesting_depth(b'"[[[{{"') == 0  # brackets inside strings do not count
+    assert nesting_depth(json.dumps({"a": [1, {"b": []}]}).encode()) == 4
+    assert nesting_depth(json.dumps({"s": 'x"[[[\\', "t": ["]]", {}]}).encode()) == 3
+    assert nesting_depth(b"[" * 10_001 + b"]" * 10_001) == 10_001
+    assert nesting_depth(json.dumps([[i] for i in range(100_000)]).encode()) == 2
+    for value in ([], [[], [[]]], {"a": {"b": {"c": "}}}"}}}, "plain"):
+        raw = json.dumps(value).encode()
+        assert nesting_depth(raw) == _parsed_depth(value), raw
+
+
+def _parsed_depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_parsed_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_parsed_depth(v) for v in value), default=0)
+    return 0
 
 
 async def _echo(request: Request) -> JSONResponse:
@@ -195,9 +212,13 @@ async def test_middleware_counts_streamed_bodies_without_content_length() -> Non
     assert r.status_code == 413
 
 
-async def test_options_lists_every_method_of_the_path_without_a_key() -> None:
+async def test_options_lists_every_method_of_the_path_with_a_key() -> None:
+    """Only a real CORS preflight goes without the key (issue 27: ``OPTIONS /metrics`` with
+    ``Access-Control-Request-Method`` and no ``Origin`` answered every metric)."""
+    key = {"Authorization": "Bearer secret"}
     async with _client(keys=("secret",)) as c:
-        r = await c.options("/v1/sessions")
+        assert (await c.options("/v1/sessions")).status_code == 401
+        r = await c.options("/v1/sessions", headers=key)
         assert r.status_code == 204
         assert r.headers["allow"] == "OPTIONS, POST"
-        assert (await c.options("/nowhere")).status_code == 404
+        assert (await c.options("/nowhere", headers=key)).status_code == 404
