@@ -150,9 +150,8 @@ def quality_prompts(n: int) -> list[list[dict[str, str]]]:
 def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """One format: cache-off and compressed-hit continuations of every prompt (subprocess)."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
-    from server.kv.offline import reset_prefix_cache
+    from server.kv.offline import reset_prefix_cache, transfer_config
 
     extra = {
         "cache_dir": spec["cache_dir"],
@@ -170,12 +169,7 @@ def quality_engine(spec: dict[str, Any]) -> dict[str, Any]:
         kv_cache_memory_bytes=spec["resident_bytes"],
         max_model_len=4096,
         seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="SessionKVConnector",
-            kv_connector_module_path="server.kv.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=transfer_config(extra, spec["model"]),
     )
     tok = llm.get_tokenizer()
     prompts = [

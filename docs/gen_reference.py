@@ -22,6 +22,7 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 
+
 def _field_docs() -> dict[str, str]:
     """Attribute docstrings of ServerConfig, read from the source."""
     tree = ast.parse((ROOT / "server" / "config.py").read_text())
@@ -85,9 +86,10 @@ def configuration_page() -> str:
     lines += [
         "",
         "The connector reads its own settings from vLLM's `kv_connector_extra_config`, which",
-        "the server fills from the table above: " + ", ".join(f"`{k}`" for k in connector_keys)
+        "the server fills from the table above: "
+        + ", ".join(f"`{k}`" for k in connector_keys)
         + ". A key missing there takes the default of this table, so the connector behaves",
-        "the same when plain vLLM loads it (see docs/operations.md, \"Plain vllm serve\").",
+        'the same when plain vLLM loads it (see docs/operations.md, "Plain vllm serve").',
         "",
         "The client side reads `LGKV_SERVER_URL` (server root, default",
         "`http://127.0.0.1:8000`) and `LGKV_API_KEY` in `ChatKVCache`.",
@@ -111,10 +113,13 @@ def _schema_name(schema: dict) -> str:
 
 
 def session_api_page() -> str:
+    from server.api.chat import SERVER_OWNED_FIELDS, SERVER_OWNED_XARGS
     from server.app import create_app
     from server.config import ServerConfig
 
     spec = create_app(ServerConfig()).openapi()
+    owned = ", ".join(f"`{f}`" for f in SERVER_OWNED_FIELDS)
+    xargs = ", ".join(f"`vllm_xargs.{f}`" for f in SERVER_OWNED_XARGS)
     lines = [
         "# Session API",
         "",
@@ -125,11 +130,24 @@ def session_api_page() -> str:
         "field), `session_id`, or `vllm_xargs.session_id`; the first request creates it. The",
         "routes below need an API key when the server has keys, and each key (tenant) sees only",
         'its own sessions. Errors are JSON `{"error": {"message", "type", "code"}}`: 400 for a',
-        "malformed id, 404 for an unknown session, 409 for an existing copy target, 422 for a",
-        "bad body, 503 when the server runs with `--no-kv-offload`.",
+        "malformed id, 404 for an unknown or expired session, 409 for an existing copy target",
+        "or a pin past the key's pin quotas or `--max-pin-lease`, 422 for",
+        "a bad body, 429 past the key's session quota or its session API calls in flight, 503",
+        'when the server runs with `--no-kv-offload` (docs/operations.md, "Tenants and',
+        'quotas"). No route waits behind generation: each reads and writes the registry.',
         "",
         "Session ids match `^[A-Za-z0-9][A-Za-z0-9._:@|=+-]{0,254}$` and never become file",
         "paths. `langgraph_kvcache.KVCacheClient` and `AsyncKVCacheClient` wrap every route.",
+        "",
+        "A generation request (`/v1/chat/completions`, `/v1/completions`) gets 400 for a value",
+        f"only the server sets ({owned} in the body;",
+        f"{xargs}), for a malformed session id and for two",
+        "different session names; 429 when it names a new session past the key's session",
+        "quota (`--tenant-max-sessions`; its existing sessions go on).",
+        "",
+        "A pin keeps a session's blocks in the tiers (they leave RAM only to disk) while the",
+        "pinned blocks of every key together fit in `--kv-pin-share` of each tier (0.5 by",
+        "default); blocks pinned past that share rank like unpinned ones until a held pin ends.",
         "",
     ]
     for path, ops in spec["paths"].items():

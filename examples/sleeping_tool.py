@@ -147,6 +147,10 @@ def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+def _ram_blocks(kv: KVCacheClient, session_id: str) -> int:
+    return kv.get_session(session_id).tiers["ram"].blocks
+
+
 def sleeping_tool_run(
     saver: BaseCheckpointSaver[Any], model: ChatKVCache, base_url: str, tag: str, *, pins: bool
 ) -> SleepFigure:
@@ -175,9 +179,14 @@ def sleeping_tool_run(
     def tool(state: AgentState) -> dict[str, Any]:
         if pins:
             _wait(lambda: kv.get_session(tag).pinned, 30)
-        figure.ram_blocks_before = kv.get_session(tag).tiers["ram"].blocks
+        # A session's tier counts show the engine's block locations within one publish
+        # (--kv-stats-flush, 1 s) of the turn: wait up to three for the first turn's, and after
+        # the others ran, for their evictions of this session's blocks, if any.
+        _wait(lambda: _ram_blocks(kv, tag) >= kv.get_session(tag).num_blocks - 1, 3)
+        figure.ram_blocks_before = _ram_blocks(kv, tag)
         push_others(model, kv, tag)
-        session = kv.get_session(tag)  # its barrier: the engine's block locations are current
+        _wait(lambda: _ram_blocks(kv, tag) < figure.ram_blocks_before, 3)
+        session = kv.get_session(tag)
         figure.num_blocks, figure.ram_blocks = session.num_blocks, session.tiers["ram"].blocks
         figure.pinned_in_tool = session.pinned
         figure.hits = hit_blocks(base_url)

@@ -6,6 +6,8 @@ torch or vLLM):
 - :class:`SQLAlchemySaver` / :class:`AsyncSQLAlchemySaver`: the checkpointers.
 - :class:`ChatKVCache`: the LangChain chat model for the bundled server.
 - :class:`KVCacheClient` / :class:`AsyncKVCacheClient`: the session API client.
+- :func:`trim_messages_stepped` / :class:`SteppedTrimMiddleware`: trimming that keeps the
+  prompt's prefix, so the server still reuses the KV (the middleware needs ``langchain``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _EXPORTS = {
     "KVCacheClient": "langgraph_kvcache.client",
     "AsyncKVCacheClient": "langgraph_kvcache.client",
     "session_id_for": "langgraph_kvcache.sessions",
+    "trim_messages_stepped": "langgraph_kvcache.trim",
+    "SteppedTrimMiddleware": "langgraph_kvcache.middleware",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -32,7 +36,9 @@ if TYPE_CHECKING:
     from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver as SQLAlchemySaver
     from langgraph_kvcache.client import AsyncKVCacheClient as AsyncKVCacheClient
     from langgraph_kvcache.client import KVCacheClient as KVCacheClient
+    from langgraph_kvcache.middleware import SteppedTrimMiddleware as SteppedTrimMiddleware
     from langgraph_kvcache.sessions import session_id_for as session_id_for
+    from langgraph_kvcache.trim import trim_messages_stepped as trim_messages_stepped
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -44,18 +44,23 @@ its token limit. Without a schema, JSON mode is plain ``{"type": "json_object"}`
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Final, Literal
 
+import openai
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
 from langgraph_kvcache.contract import SESSION_HEADER
+from langgraph_kvcache.errors import ToolCallCutError
 from langgraph_kvcache.sessions import (
     current_config,
     session_id_from_config,
@@ -107,7 +112,9 @@ class ChatKVCache(ChatOpenAI):
     """Report token usage, cached tokens included, in the last chunk when streaming."""
 
     use_responses_api: bool | None = False
-    """The server serves Chat Completions; keep this off."""
+    """Chat Completions by default. The server also serves the Responses API
+    (``/v1/responses``, same sessions and tenancy) but keeps no responses: a model that
+    relies on ``previous_response_id`` gets 400."""
 
     session_id: str | None = None
     """Fixed session for every call of this model; ``None``: follow the running thread."""
@@ -271,3 +278,143 @@ class ChatKVCache(ChatOpenAI):
         if sid is not None:
             payload["extra_headers"] = {**(payload.get("extra_headers") or {}), SESSION_HEADER: sid}
         return payload
+
+    # -- errors that say where and what ---------------------------------------------------------
+    def _generate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> ChatResult:
+        with self._explained():
+            result = super()._generate(messages, *args, **kwargs)
+        self._check_forced_call(kwargs, result.generations[-1].generation_info, result)
+        return result
+
+    async def _agenerate(
+        self, messages: list[BaseMessage], *args: Any, **kwargs: Any
+    ) -> ChatResult:
+        with self._explained():
+            result = await super()._agenerate(messages, *args, **kwargs)
+        self._check_forced_call(kwargs, result.generations[-1].generation_info, result)
+        return result
+
+    def _stream(
+        self, messages: list[BaseMessage], *args: Any, **kwargs: Any
+    ) -> Iterator[ChatGenerationChunk]:
+        cut = _StreamedCall()
+        with self._explained():
+            for chunk in super()._stream(messages, *args, **kwargs):
+                cut.add(chunk)
+                yield chunk
+        self._check_forced_call(kwargs, cut.info, cut)
+
+    async def _astream(
+        self, messages: list[BaseMessage], *args: Any, **kwargs: Any
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        cut = _StreamedCall()
+        with self._explained():
+            async for chunk in super()._astream(messages, *args, **kwargs):
+                cut.add(chunk)
+                yield chunk
+        self._check_forced_call(kwargs, cut.info, cut)
+
+    def _check_forced_call(
+        self, kwargs: Mapping[str, Any], info: Mapping[str, Any] | None, result: object
+    ) -> None:
+        """:class:`ToolCallCutError` when a forced tool call ended at ``max_tokens`` without a
+        whole call (see the class doc). A whole call and a second one cut after it is a call:
+        the server's parser returns only whole calls, and a stream's are checked here (a cut
+        streamed call reads as ``{}`` or, parsed leniently by LangChain, ``{"title": "At"}``
+        for ``{"title": "At``)."""
+        if kwargs.get("tool_choice") in (None, "auto", "none") or not info:
+            return
+        if info.get("finish_reason") != "length" or _has_whole_call(result, kwargs):
+            return
+        limit = kwargs.get("max_tokens", kwargs.get("max_completion_tokens", self.max_tokens))
+        raise ToolCallCutError(
+            f"the forced tool call (tool_choice={kwargs['tool_choice']!r}) was cut at "
+            f"max_tokens={limit} before its arguments were complete (finish_reason 'length'); "
+            "an agent loop would take the partial call for a text answer. Raise max_tokens for "
+            "this call (ChatKVCache(max_tokens=...) or .bind(max_tokens=...))",
+            result.merged if isinstance(result, _StreamedCall) else result,
+        )
+
+    @contextmanager
+    def _explained(self) -> Iterator[None]:
+        """The OpenAI client's bare ``Connection error.`` / ``Request timed out.`` say what
+        happened and where: the same exception types (code that catches them still does),
+        with the server's URL and what to do."""
+        try:
+            yield
+        except openai.APITimeoutError as exc:
+            raise _with_message(
+                exc,
+                f"Request timed out: the langgraph-kvcache server at {self.openai_api_base} did "
+                f"not answer within timeout={self.request_timeout!r} s; it may be busy (a long "
+                "prompt, a full batch): retry, or raise the model's timeout",
+            ) from exc
+        except openai.APIConnectionError as exc:
+            raise openai.APIConnectionError(
+                message=f"Connection error: cannot reach the langgraph-kvcache server at "
+                f"{self.openai_api_base} ({exc.__cause__ or exc}). Start it (`make demo` or "
+                "`python -m server`) or set LGKV_SERVER_URL / base_url to where it runs",
+                request=exc.request,
+            ) from exc
+
+
+class _StreamedCall:
+    """What a stream said, kept in O(1) per chunk: its text, its tool calls' pieces by index
+    and the last generation info (merging each chunk into all the previous ones, as
+    ``chunk + chunk`` does, costs quadratic time)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.info: dict[str, Any] | None = None
+
+    def add(self, chunk: ChatGenerationChunk) -> None:
+        message = chunk.message
+        if isinstance(message.content, str):
+            self.text.append(message.content)
+        for piece in getattr(message, "tool_call_chunks", None) or []:
+            call = self.calls.setdefault(piece.get("index") or 0, {"args": []})
+            for key in ("name", "id"):
+                call[key] = call.get(key) or piece.get(key)
+            call["args"].append(piece.get("args") or "")
+        if chunk.generation_info:
+            self.info = {**(self.info or {}), **chunk.generation_info}
+
+    @property
+    def merged(self) -> AIMessageChunk:
+        """The streamed message as one chunk."""
+        pieces = [
+            {"name": c.get("name"), "args": "".join(c["args"]), "id": c.get("id"), "index": i}
+            for i, c in self.calls.items()
+        ]
+        return AIMessageChunk(content="".join(self.text), tool_call_chunks=pieces)  # type: ignore[arg-type]
+
+
+def _has_whole_call(result: object, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a cut answer holds a whole tool call: any parsed call of a ChatResult (the
+    server's parser returns whole calls only), or a streamed call whose arguments are complete
+    JSON naming every required parameter of its tool (from the request's ``tools``)."""
+    if isinstance(result, ChatResult):
+        return bool(getattr(result.generations[-1].message, "tool_calls", None))
+    if not isinstance(result, _StreamedCall):
+        return False
+    required = {
+        tool["function"]["name"]: set(tool["function"].get("parameters", {}).get("required", []))
+        for tool in kwargs.get("tools") or []
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+    }
+    for call in result.calls.values():
+        try:
+            args = json.loads("".join(call["args"]))
+        except ValueError:
+            continue
+        if isinstance(args, dict) and required.get(call.get("name"), set()) <= args.keys():
+            return True
+    return False
+
+
+def _with_message(exc: openai.APITimeoutError, message: str) -> openai.APITimeoutError:
+    out = openai.APITimeoutError(request=exc.request)
+    out.message = message
+    out.args = (message,)
+    return out

@@ -12,7 +12,8 @@ Every request that names a session sends it in the ``X-Session-ID`` header too
 
 Errors form one hierarchy under :class:`KVCacheClientError`:
 
-- :class:`SessionNotFoundError` (HTTP 404), :class:`SessionExistsError` (HTTP 409) and every other
+- :class:`SessionNotFoundError` (HTTP 404), :class:`SessionExistsError` (HTTP 409),
+  :class:`AuthenticationError` (HTTP 401: a missing or wrong API key) and every other
   error answer (:class:`SessionAPIError`, carrying the server's message and status code);
 - :class:`ServerUnavailableError`: the server could not be reached, timed out, or answered
   502/503/504.
@@ -20,8 +21,10 @@ Errors form one hierarchy under :class:`KVCacheClientError`:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, Final
+from urllib.parse import quote
 
 import httpx
 
@@ -38,6 +41,7 @@ from langgraph_kvcache.client_requests import (
 from langgraph_kvcache.contract import UNSET, PrefetchResult, Session, TierUsage
 from langgraph_kvcache.contract import Unset as _Unset
 from langgraph_kvcache.errors import (
+    AuthenticationError,
     KVCacheClientError,
     ServerUnavailableError,
     SessionAPIError,
@@ -48,6 +52,7 @@ from langgraph_kvcache.errors import (
 __all__ = [
     "UNSET",
     "AsyncKVCacheClient",
+    "AuthenticationError",
     "KVCacheClient",
     "KVCacheClientError",
     "PrefetchResult",
@@ -90,15 +95,41 @@ def _error_from(response: httpx.Response) -> KVCacheClientError:
         return ServerUnavailableError(
             f"{response.request.url} answered HTTP {status}: {message}{hint}"
         )
+    if status == 401:
+        message = (
+            f"{message}. The server at {response.request.url.copy_with(path='/', query=None)} "
+            "runs with --api-key: pass one of its keys (kv_api_key= to the saver, api_key= "
+            "to the client, or set LGKV_API_KEY)"
+        )
+        return AuthenticationError(message, status_code=status, error_type=error_type)
     cls = {404: SessionNotFoundError, 409: SessionExistsError}.get(status, SessionAPIError)
     return cls(message, status_code=status, error_type=error_type)
 
 
 def _unavailable(url: str, exc: httpx.HTTPError) -> ServerUnavailableError:
+    """What happened, and where: a timeout (the server may be busy, and the call may have
+    taken effect) is not a refused connection (nothing listens there)."""
+    if isinstance(exc, httpx.TimeoutException):
+        timeout = exc.request.extensions.get("timeout", {}) if _has_request(exc) else {}
+        limit = max((v for v in timeout.values() if v), default=None)
+        within = f" within {limit:g} s" if limit else ""
+        return ServerUnavailableError(
+            f"The langgraph-kvcache server at {url} did not answer{within} "
+            f"({type(exc).__name__}); it may be busy, and the call may have taken effect. "
+            "Retry, or raise the client's timeout."
+        )
     return ServerUnavailableError(
         f"Cannot reach the langgraph-kvcache server at {url} ({type(exc).__name__}: {exc}). "
         "Start it (`python -m server`) or set LGKV_SERVER_URL to where it runs."
     )
+
+
+def _has_request(exc: httpx.HTTPError) -> bool:
+    try:
+        exc.request  # noqa: B018 (raises RuntimeError when the error carries none)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -120,11 +151,17 @@ def _session(data: dict[str, Any]) -> Session:
         raise _malformed("Session", data, exc) from exc
 
 
-def _sessions(data: dict[str, Any]) -> list[Session]:
-    items = data.get("data")
-    if not isinstance(items, list):
+def list_path(limit: int, offset: int, after: str | None) -> str:
+    """The listing's path and query."""
+    path = f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"
+    return path + f"&after={quote(after, safe='')}" if after else path
+
+
+def _sessions(data: dict[str, Any]) -> tuple[list[Session], str | None]:
+    items, cursor = data.get("data"), data.get("next_cursor")
+    if not isinstance(items, list) or not (cursor is None or isinstance(cursor, str)):
         raise _malformed("session list", data, KeyError("data"))
-    return [_session(item) for item in items]
+    return [_session(item) for item in items], cursor
 
 
 def _freed(data: dict[str, Any]) -> int:
@@ -179,9 +216,22 @@ class KVCacheClient:
             raise _unavailable(self.base_url, exc) from exc
         return _json(response)
 
-    def list_sessions(self, *, limit: int = 100, offset: int = 0) -> list[Session]:
-        """This tenant's sessions, at most ``limit`` of them starting at ``offset``."""
-        return _sessions(self._call("GET", f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"))
+    def list_sessions(
+        self, *, limit: int = 100, offset: int = 0, after: str | None = None
+    ) -> list[Session]:
+        """This tenant's sessions, most recent first: at most ``limit`` of them after the
+        cursor ``after`` (from :meth:`iter_sessions`' pages) and ``offset`` more."""
+        return _sessions(self._call("GET", list_path(limit, offset, after)))[0]
+
+    def iter_sessions(self, *, page_size: int = 100) -> Iterator[Session]:
+        """Every session of this tenant, most recent first, a page at a time (keyset paging:
+        each page costs the server the same however far the listing got)."""
+        after: str | None = None
+        while True:
+            page, after = _sessions(self._call("GET", list_path(page_size, 0, after)))
+            yield from page
+            if after is None:
+                return
 
     def get_session(self, session_id: str) -> Session:
         """One session; raises :class:`SessionNotFoundError` if unknown."""
@@ -285,10 +335,21 @@ class AsyncKVCacheClient:
             raise _unavailable(self.base_url, exc) from exc
         return _json(response)
 
-    async def list_sessions(self, *, limit: int = 100, offset: int = 0) -> list[Session]:
+    async def list_sessions(
+        self, *, limit: int = 100, offset: int = 0, after: str | None = None
+    ) -> list[Session]:
         """See :meth:`KVCacheClient.list_sessions`."""
-        path = f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"
-        return _sessions(await self._call("GET", path))
+        return _sessions(await self._call("GET", list_path(limit, offset, after)))[0]
+
+    async def iter_sessions(self, *, page_size: int = 100) -> AsyncIterator[Session]:
+        """See :meth:`KVCacheClient.iter_sessions`."""
+        after: str | None = None
+        while True:
+            page, after = _sessions(await self._call("GET", list_path(page_size, 0, after)))
+            for session in page:
+                yield session
+            if after is None:
+                return
 
     async def get_session(self, session_id: str) -> Session:
         """See :meth:`KVCacheClient.get_session`."""

@@ -262,6 +262,8 @@ class SessionList:
 
     data: list[Session]
     """The sessions of this page."""
+    next_cursor: str | None = None
+    """Pass as ``after`` to list the next page; null on the last page."""
     object: str = "list"
     """Always ``"list"``."""
 

@@ -71,9 +71,29 @@ class SessionNotFoundError(SessionAPIError):
     """HTTP 404: no such session for this tenant (check the id and the API key)."""
 
 
+class AuthenticationError(SessionAPIError):
+    """HTTP 401: the server runs with ``--api-key`` and refused this client's key (none, or
+    not one of its keys). Pass the key: ``kv_api_key=`` to the savers, ``api_key=`` to the
+    clients, or set ``LGKV_API_KEY``."""
+
+
 class SessionExistsError(SessionAPIError):
     """HTTP 409: the session already exists (pick another id, or pass ``overwrite=True``)."""
 
 
 class ServerUnavailableError(KVCacheClientError, ConnectionError):
     """The server could not be reached, timed out, or answered 502/503/504."""
+
+
+# ----------------------------------------------------------------------------- chat model
+class ToolCallCutError(KVCacheError, ValueError):
+    """A forced tool call (``tool_choice`` ``"required"`` or a tool's name) ended at
+    ``max_tokens`` before its arguments were complete (``finish_reason="length"``).
+
+    Returned as is, the partial call would reach an agent loop as a plain text answer and end
+    the run. Raise ``max_tokens`` for the call. ``message`` holds what the model returned.
+    """
+
+    def __init__(self, text: str, message: object) -> None:
+        super().__init__(text)
+        self.message = message

@@ -11,8 +11,9 @@ the model, so that every conversation the server sees is one growing prefix:
 
 Task ids (the ``:<uuid>`` after each node name) change on every step, so they are dropped and a
 subgraph keeps one stable session across steps. Ids that do not fit the syntax (odd characters, a
-``|`` inside the thread id, too long) are replaced by a readable prefix plus a sha256 digest, so
-the mapping is deterministic and does not depend on the process. Every session of a thread starts
+``|`` or ``=`` inside the thread id, too long) are replaced by a readable prefix, ``=`` and a
+sha256 digest, so the mapping is deterministic, does not depend on the process, and is
+one-to-one: an id used unchanged never holds ``=``. Every session of a thread starts
 with :func:`thread_session_prefix` followed by ``|``; the checkpointer uses that to drop a
 thread's subgraph sessions along with the thread.
 
@@ -64,6 +65,8 @@ _NS_END = ":"  # LangGraph's separator between a node name and its task id (lang
 _TASK_ID_KEY = "__pregel_task_id"  # configurable key LangGraph sets while a task runs
 _DIGEST_CHARS = 24
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@=+\-]")  # "|" is unsafe inside one part
+_DIGEST_SEP = "="
+"""Only a digest form holds it: an id used unchanged never does, so no two inputs map to one id."""
 
 
 def validate_session_id(session_id: str) -> str:
@@ -75,22 +78,24 @@ def validate_session_id(session_id: str) -> str:
 def _hashed(text: str, keep: int) -> str:
     """A readable, syntax-safe prefix of ``text`` plus a sha256 digest of all of it."""
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
-    prefix = _UNSAFE.sub("-", text)[:keep]
-    return f"{prefix}={digest}" if prefix else f"h={digest}"
+    prefix = _UNSAFE.sub("-", text).replace(_DIGEST_SEP, "-")[:keep]
+    return f"{prefix or 'h'}{_DIGEST_SEP}{digest}"
 
 
 def thread_session_prefix(thread_id: str | int) -> str:
     """The session id of a thread's root graph; subgraph sessions extend it with ``|<ns>``.
 
     Equal to ``str(thread_id)`` when that is at most 200 characters, fits the syntax and holds no
-    ``|``; otherwise a deterministic ``<prefix>=<sha256 digest>`` form of at most 57 characters
-    that starts with a letter or digit.
+    ``|`` or ``=``; otherwise a deterministic ``<prefix>=<sha256 digest>`` form of at most 57
+    characters that starts with a letter or digit. Only that form holds ``=``, so two thread ids
+    never share a session (``"user 1"`` and ``"user-1=<its digest>"`` differ).
     """
     text = str(thread_id)
     if (
         text
         and len(text) <= MAX_THREAD_PART_LENGTH
         and _NS_SEP not in text
+        and _DIGEST_SEP not in text
         and is_valid_session_id(text)
     ):
         return text
@@ -117,7 +122,7 @@ def session_id_for(thread_id: str | int, checkpoint_ns: str = "") -> str:
     if not ns:
         return head
     room = MAX_SESSION_ID_LENGTH - len(head) - 1
-    if len(ns) > room or _UNSAFE.search(ns.replace(_NS_SEP, "")):
+    if len(ns) > room or _UNSAFE.search(ns.replace(_NS_SEP, "")) or _DIGEST_SEP in ns:
         ns = _hashed(ns, keep=min(16, room - _DIGEST_CHARS - 1))
     return f"{head}{_NS_SEP}{ns}"
 

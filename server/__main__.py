@@ -99,10 +99,15 @@ def serve(config: ServerConfig) -> None:
     import uvicorn
 
     from server.app import create_app
+    from server.engine import resolve_model, served_names
 
     app = create_app(config)
     log.info("serving on http://%s:%d (KV offload %s)", config.host, config.port,
              "on" if config.kv_offload else "off")  # fmt: skip
+    model, served = resolve_model(config)
+    names = served_names(config, model, served)
+    log.info("clients send model=%s (ChatKVCache(model=%r)); also accepted: %s", names[0],
+             names[-1], ", ".join(names[1:]) or "nothing else")  # fmt: skip
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                        access_log=False, timeout_keep_alive=5, lifespan="on")

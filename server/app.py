@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from server.api.auth import KeyRing
+from server.api.body_budget import BodyBudget
 from server.api.chat import SessionRequestMiddleware
 from server.api.metrics import SessionMetricsCollector
 from server.api.protocol import APIError, api_error_handler, error_response
@@ -75,6 +76,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         max_body_bytes=config.max_body_bytes,
         keys=keys,
         replica=config.replica_name,
+        body_budget=_body_budget(config),
     )
     vllm_lifespan = app.router.lifespan_context
 
@@ -88,6 +90,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 )
             await _init_vllm_state(engine, app, args, tasks)
             control = _open_control(config, engine)
+            app.state.generation_gate = _generation_gate(config, engine)
             app.state.lgkv_config = config
             app.state.session_control = control
             collector = _register_metrics(control)
@@ -135,6 +138,27 @@ async def _init_vllm_state(engine: Any, app: FastAPI, args: Any, tasks: tuple[st
     await init_app_state(engine, app.state, args, tasks)
 
 
+def _body_budget(config: ServerConfig) -> BodyBudget | None:
+    """With several keys, each key's large-body bytes per second (:mod:`server.api.body_budget`);
+    None with one tenant or ``--tenant-body-rate 0``."""
+    if len(config.api_keys) < 2 or config.tenant_body_rate <= 0:
+        return None
+    return BodyBudget(config.tenant_body_rate, config.max_body_bytes)
+
+
+def _generation_gate(config: ServerConfig, engine: Any) -> Any:
+    """With several keys, each key's share of vLLM's batch (:mod:`server.api.fair_share`);
+    None with one tenant or ``--tenant-generation-share 1``."""
+    from server.api.fair_share import GenerationGate
+
+    if len(config.api_keys) < 2 or config.tenant_generation_share >= 1:
+        return None
+    batch = int(engine.vllm_config.scheduler_config.max_num_seqs)
+    limit = max(1, int(batch * config.tenant_generation_share))
+    log.info("each key may run %d of the batch's %d generations at once", limit, batch)
+    return GenerationGate(limit, max_waiting=10 * limit)
+
+
 def _open_control(config: ServerConfig, engine: Any) -> Any:
     if not config.kv_offload:
         log.info("KV offload is off (--no-kv-offload): the session API answers 503")
@@ -142,14 +166,23 @@ def _open_control(config: ServerConfig, engine: Any) -> Any:
     from server.config import redis_namespace
     from server.engine import resolve_model
     from server.kv.registry.control import SessionControl
+    from server.kv.registry.quotas import TenantQuotas
 
-    config.cache_dir.mkdir(parents=True, exist_ok=True)
+    config.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    quotas = TenantQuotas(
+        max_sessions=config.tenant_max_sessions,
+        pin_share=config.tenant_pin_share,
+        max_unleased_pins=config.tenant_max_unleased_pins,
+        max_pin_lease_s=float(config.max_pin_lease or 0),
+        tier_bytes={"ram": config.kv_ram_bytes, "disk": config.kv_disk_bytes},
+    )
     control = SessionControl(
         config.cache_dir,
         default_ttl_s=config.kv_session_ttl,
         engine_client=engine,
         redis_url=config.kv_redis_url,
         namespace=redis_namespace(config, resolve_model(config)[1]),
+        quotas=quotas,
     )
     control.watch_drops()  # sessions in Redis: other replicas' deletes wake this engine
     return control

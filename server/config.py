@@ -63,7 +63,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 512 << 20
 ``--max-model-len`` context where that needs more); vLLM's own CPU default is 92% of the
 memory node, which fails beside any other process of some size."""
 DEFAULT_KV_DISK_BYTES = 16 << 30
-DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_BODY_BYTES = 2 << 20
 DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
 """vLLM's hermes parser with the arguments kept as generated (server/tool_parser.py)."""
 DEFAULT_TOOL_STRICT_LEVEL = "parameter"
@@ -145,6 +145,23 @@ class ServerConfig:
     )  # fmt: skip
     """Session API calls one tenant may have in flight; more get HTTP 429 at once (the routes
     share one pool of 40 worker threads among every tenant)."""
+
+    tenant_generation_share: float = setting(
+        0.5, flag="--tenant-generation-share", env="LGKV_TENANT_GENERATION_SHARE",
+        parse=parse_share, help="share of --max-num-seqs one key's generations may fill",
+    )  # fmt: skip
+    """With several keys: the share (0..1] of vLLM's batch (``--max-num-seqs``) one key's
+    generations may fill at once; its further generations wait in the API process (in order;
+    429 past ten times as many), so other keys always find room. 1 turns it off."""
+
+    tenant_body_rate: int = setting(
+        4 << 20, flag="--tenant-body-rate", env="LGKV_TENANT_BODY_RATE", parse=parse_size,
+        size=True, help="bytes per second of large bodies one key may send",
+    )  # fmt: skip
+    """With several keys: bytes per second of request bodies over 64 KiB one key may send (a
+    bucket that holds ``--max-body-bytes``, so one largest body always passes after a pause);
+    past it 429 with ``Retry-After``. Parsing large bodies holds the API process that streams
+    every tenant's tokens. 0 turns it off."""
 
     tenant_max_sessions: int = setting(
         100_000, flag="--tenant-max-sessions", env="LGKV_TENANT_MAX_SESSIONS", parse=parse_int,
@@ -273,6 +290,14 @@ class ServerConfig:
     )  # fmt: skip
     """Turn gaps shorter than this many seconds count as this long for eviction (tool calls
     and reading time make shorter gaps noise)."""
+
+    kv_pin_share: float = setting(
+        0.5, flag="--kv-pin-share", env="LGKV_KV_PIN_SHARE", parse=parse_share,
+        connector="pin_share", help="share of each tier all pinned blocks may hold",
+    )  # fmt: skip
+    """Share (0..1) of each tier's blocks, RAM and disk, that pinned sessions of every tenant
+    together may hold; pinned blocks past it may be evicted like unpinned ones, so unpinned
+    sessions always keep the rest. ``--tenant-pin-share`` bounds each key within it."""
 
     cache_dir: Path = setting(  # noqa: RUF009 (a field declaration)
         default_factory=_default_cache_dir, flag="--cache-dir", env="LGKV_CACHE_DIR",

@@ -28,13 +28,13 @@ from server.config import (
     connector_extra_config,
     redis_namespace,
 )
+from server.kv.layout import connector_class_for
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
 
 TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 """ChatML with hermes-style tool calls, for ChatML models whose template has no tools."""
-CONNECTOR_NAME = "SessionKVConnector"
 CONNECTOR_MODULE = "server.kv.connector"
 FORCED_TEXT_PROCESSOR = "server.forced_text:WholeForcedTokens"
 """The vLLM logits processor of ``--whole-forced-tokens`` (``module:class``; vLLM imports it in
@@ -78,6 +78,18 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
     return model, config.served_model_name or model
 
 
+def served_names(config: ServerConfig, model: str, served_name: str) -> list[str]:
+    """The names clients may send as ``model``: the served name (the first; responses carry
+    it), and, for a local folder served without ``--served-model-name``, the folder's name too
+    (``--model /models/Qwen3-0.6B`` answers to ``Qwen3-0.6B`` as well as to the path)."""
+    names = [served_name]
+    if config.served_model_name is None and config.model is not None:
+        folder = Path(model).name
+        if Path(model).is_dir() and folder and folder not in names:
+            names.append(folder)
+    return names
+
+
 def tool_template_for(model: str) -> Path | None:
     """:data:`TOOL_TEMPLATE` when ``model`` is a local ChatML model whose own chat template
     knows nothing of tools (SmolLM2), so tool definitions reach the prompt and tool turns
@@ -106,7 +118,7 @@ def vllm_argv(config: ServerConfig) -> list[str]:
     dtype = "float32" if config.dtype == "auto" and on_cpu else config.dtype
     argv = [
         "--model", model,
-        "--served-model-name", served_name,
+        "--served-model-name", *served_names(config, model, served_name),
         "--dtype", dtype,
         "--host", config.host,
         "--port", str(config.port),
@@ -141,7 +153,7 @@ def vllm_argv(config: ServerConfig) -> list[str]:
                 "add --no-kv-offload to run your own connector."
             )
         ktc = {
-            "kv_connector": CONNECTOR_NAME,
+            "kv_connector": connector_class_for(model),
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
             "kv_connector_extra_config": {

@@ -52,6 +52,37 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
+    # Hybrids that need vLLM's hybrid KV cache manager (several KV cache groups): a Mamba-2
+    # layer and an attention layer; a gated-delta-net (linear attention) layer and a full one.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            "num_key_value_heads": 2,
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 32,  # 8 x 32 = mamba_expand (2) x hidden_size
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 256,
+        },
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
 }
 """Architecture name -> (transformers config class, settings beyond :data:`_COMMON`)."""
 

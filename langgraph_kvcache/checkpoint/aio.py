@@ -164,8 +164,12 @@ class AsyncSQLAlchemySaver(BaseSQLAlchemySaver):
                 return await arun_op(conn, op)
 
     async def setup(self) -> None:
-        """Create or migrate the tables (append-only migrations; idempotent, multi-process safe)."""
+        """Create or migrate the tables (append-only migrations; idempotent, multi-process safe).
+        With ``kv_server``, also look at the server: a key it refuses raises
+        :class:`~langgraph_kvcache.client.AuthenticationError` (the server down is a warning)."""
         await self._run(self._op_setup(), "write")
+        if self.kv_sessions is not None:
+            await self.kv_sessions.check_server()
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names (its ``checkpoint_id``, else the thread's latest)."""

@@ -8,7 +8,12 @@ every request, in this order and before any route runs:
 2. the body is capped (413 past ``max_body_bytes``), and a JSON body nesting deeper than
    :data:`MAX_JSON_DEPTH` gets 400 (read from the bytes before any parse:
    :func:`server.api.json_body.nesting_depth`); bodies over :data:`INLINE_BODY_BYTES` are
-   checked and rewritten in a worker thread, one at a time, never on the event loop;
+   checked and rewritten in a worker thread, one at a time, never on the event loop, and a key
+   may have one body over :data:`LARGE_BODY_BYTES` in flight (429 before the next is read)
+   and, with several keys, send bodies over :data:`INLINE_BODY_BYTES` at
+   ``--tenant-body-rate`` bytes per second (:mod:`server.api.body_budget`);
+   with several keys, each key's generations fill at most its share of vLLM's batch
+   (:mod:`server.api.fair_share`);
 3. the JSON body of the generation routes (:data:`server.api.routes.GENERATION_PATHS`) is
    rewritten by :func:`rewrite_body`, so vLLM's serving code receives
    ``vllm_xargs = {..., "session_id": sid, "tenant": tenant}`` (copied by vLLM into
@@ -26,19 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from langgraph_kvcache.contract import REPLICA_HEADER, XARG_OP, XARG_SESSION, XARG_TENANT
 from server.api.auth import KeyRing, is_preflight
+from server.api.body_budget import BodyBudget
 from server.api.json_body import nesting_depth
 from server.api.protocol import APIError, check_session_id, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
+from server.kv.registry.api import RegistryUnavailable
+from server.kv.registry.quotas import QuotaExceeded
 
 if TYPE_CHECKING:
-    from server.kv.registry.turn_watch import TurnWatch
+    from server.api.fair_share import GenerationGate
+    from server.kv.registry.control import SessionControl
+
+log = logging.getLogger(__name__)
 
 SALT_PREFIX = "lgkv-"
 MAX_JSON_DEPTH = 100
@@ -46,6 +59,10 @@ MAX_JSON_DEPTH = 100
 INLINE_BODY_BYTES = 64 << 10
 """Bodies up to this size are checked and rewritten on the event loop (well under a
 millisecond); larger ones in a worker thread."""
+LARGE_BODY_BYTES = 1 << 20
+"""A key may have one body over this size in flight at a time (more get 429 before their body
+is read): parsing them (here and again in vLLM) takes CPU and the GIL from every tenant."""
+RESPONSES_PATH = "/v1/responses"
 SERVER_OWNED_FIELDS = ("kv_transfer_params",)
 """Body fields only the server sets; a request that sends one gets 400."""
 SERVER_OWNED_XARGS = (XARG_OP, "kv_transfer_params")
@@ -56,6 +73,21 @@ UNAUTHORIZED = (
     "missing or wrong API key: send the header 'Authorization: Bearer <key>' with a key the "
     "server was started with (--api-key / LGKV_API_KEY)"
 )
+
+
+def check_responses_body(body: dict[str, Any]) -> None:
+    """400 for what this server does not keep for the Responses API: stored responses
+    (``previous_response_id``; ``background``, which needs one). vLLM's store is one process's
+    memory shared by every tenant; resend the conversation instead: its KV is cached, so
+    resending costs little."""
+    for field in ("previous_response_id", "background"):
+        if body.get(field):
+            raise APIError(
+                400,
+                f"{field} is not supported by this server (no stored responses): send the "
+                "whole conversation as input with a prompt_cache_key; its KV is cached, so "
+                "the history costs little",
+            )
 
 
 def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str, Any]:
@@ -119,12 +151,22 @@ class SessionRequestMiddleware:
     every response (see the module doc)."""
 
     def __init__(
-        self, app: ASGIApp, *, max_body_bytes: int, keys: KeyRing, replica: str = ""
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        keys: KeyRing,
+        replica: str = "",
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keys = keys
+        self.body_budget = body_budget
+        """Large-body bytes per key per second (several keys only), or None."""
         self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
+        self._large_by_key: set[str] = set()
+        """Tenants with a body over :data:`LARGE_BODY_BYTES` in flight."""
         self._large = asyncio.Semaphore(1)
         """Bodies over :data:`INLINE_BODY_BYTES` are checked in a worker thread one at a
         time, so the event loop gets the GIL back between two parses."""
@@ -151,9 +193,50 @@ class SessionRequestMiddleware:
             await self.app(scope, receive, send)
             return
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        size = int(declared) if declared is not None and declared.isdigit() else 0
+        if size > self.max_body_bytes:
             await self._too_large(scope, receive, send)
             return
+        if size > LARGE_BODY_BYTES and self.keys.enabled:  # one at a time per key
+            tenant = self.keys.tenant(headers)
+            if tenant in self._large_by_key:
+                msg = (
+                    f"this key has a request body over {LARGE_BODY_BYTES} bytes in flight; "
+                    "send large bodies one at a time"
+                )
+                await _unread(429, msg, "rate_limit_error")(scope, receive, send)
+                return
+            if await self._over_rate(scope, receive, send, headers, size):
+                return
+            self._large_by_key.add(tenant)
+            try:
+                await self._checked(scope, receive, send, headers, path)
+            finally:
+                self._large_by_key.discard(tenant)
+            return
+        if size > INLINE_BODY_BYTES and await self._over_rate(scope, receive, send, headers, size):
+            return
+        await self._checked(scope, receive, send, headers, path)
+
+    async def _over_rate(
+        self, scope: Scope, receive: Receive, send: Send, headers: Headers, size: int
+    ) -> bool:
+        """Charge a large body to the key's ``--tenant-body-rate``; past it answer 429 with
+        ``Retry-After`` (the body unread) and return True. Called once a body would otherwise
+        go on, so a refusal for another reason charges nothing."""
+        if self.body_budget is None:
+            return False
+        wait_s = self.body_budget.take(self.keys.tenant(headers), size)
+        if not wait_s:
+            return False
+        msg, retry = self.body_budget.refusal(wait_s)
+        await _unread(429, msg, "rate_limit_error", retry)(scope, receive, send)
+        return True
+
+    async def _checked(
+        self, scope: Scope, receive: Receive, send: Send, headers: Headers, path: str
+    ) -> None:
+        """Read, check and rewrite the body (see the module doc), then serve the request."""
         try:
             body = await self._read(receive)
             if len(body) <= INLINE_BODY_BYTES:
@@ -171,10 +254,38 @@ class SessionRequestMiddleware:
         scope["headers"] = [
             (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
         ] + [(b"content-length", str(len(body)).encode())]
-        turns = _turn_watch(scope) if session is not None else None
-        if turns is None or session is None:
+        gate = _generation_gate(scope) if path in GENERATION_PATHS else None
+        if gate is not None:
+            try:
+                async with gate.slot(self.keys.tenant(headers)):
+                    await self._serve(scope, receive, send, body, session)
+            except APIError as err:  # 429: too many of the key's generations waiting
+                await error_response(err.status, err.message, err.type)(scope, receive, send)
+            return
+        await self._serve(scope, receive, send, body, session)
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        session: tuple[str, str] | None,
+    ) -> None:
+        """Pass the checked request on to vLLM; a generation that names a session is admitted
+        by the tenant's session quota and reported to the session API's turn watch."""
+        control = _session_control(scope) if session is not None else None
+        if control is None or session is None:
             await self.app(scope, _replay(body, receive), send)
             return
+        try:
+            await control.admission.admit(*session)  # a new session past the tenant's quota
+        except QuotaExceeded as exc:
+            await error_response(exc.status, str(exc))(scope, receive, send)
+            return
+        except RegistryUnavailable as exc:  # generation goes on; the engine records later
+            log.warning("session quota not checked: %s", exc)
+        turns = control.turns
         started, status = turns.started(*session), [0]
         try:
             await self.app(scope, _replay(body, receive), _status_of(send, status))
@@ -204,6 +315,8 @@ class SessionRequestMiddleware:
             return body, None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if path == RESPONSES_PATH:
+            check_responses_body(data)
         tenant = self.keys.tenant(headers)
         out = rewrite_body(data, tenant, salted=self.keys.enabled)
         sid = out["vllm_xargs"].get(XARG_SESSION)
@@ -228,7 +341,21 @@ class SessionRequestMiddleware:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.max_body_bytes
         msg = f"request body over {limit} bytes; send less (the server's --max-body-bytes)"
-        await error_response(413, msg)(scope, receive, send)
+        await _unread(413, msg)(scope, receive, send)
+
+
+def _unread(
+    status: int, message: str, type_: str | None = None, retry_after: int | None = None
+) -> JSONResponse:
+    """An error answered before (or instead of) reading the whole body: the connection closes
+    after it, so the server never reads, nor keeps draining, the bytes the client still sends
+    (a client that retries at once paid the server a full body read per refusal: 2,247 refused
+    2 MiB bodies in one phase of benchmarks/tenants.py)."""
+    response = error_response(status, message, type_)
+    response.headers["Connection"] = "close"
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 async def _options(scope: Scope, receive: Receive, send: Send) -> None:
@@ -250,12 +377,16 @@ async def _options(scope: Scope, receive: Receive, send: Send) -> None:
     await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
 
 
-def _turn_watch(scope: Scope) -> TurnWatch | None:
-    """The session control's :class:`TurnWatch` of the app serving ``scope`` (None without the
-    KV connector)."""
+def _generation_gate(scope: Scope) -> GenerationGate | None:
+    """The per-tenant share of vLLM's batch (None: no bound; see :mod:`.fair_share`)."""
     state = getattr(scope.get("app"), "state", None)
-    control = getattr(state, "session_control", None)
-    return getattr(control, "turns", None)
+    return getattr(state, "generation_gate", None)
+
+
+def _session_control(scope: Scope) -> SessionControl | None:
+    """The session control of the app serving ``scope`` (None without the KV connector)."""
+    state = getattr(scope.get("app"), "state", None)
+    return getattr(state, "session_control", None)
 
 
 def _status_of(send: Send, status: list[int]) -> Send:

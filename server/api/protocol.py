@@ -28,6 +28,7 @@ _TYPES = {
     409: "conflict_error",
     413: "request_too_large",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
 }
 

@@ -4,7 +4,8 @@ vLLM's app serves many routes; every one that reaches the engine must get its te
 and session from :mod:`server.api.auth` and the documented session fields
 (:func:`server.api.chat.rewrite_body`), never from the body. Only :data:`GENERATION_PATHS` are
 rewritten that way, so every other route that could reach the engine is removed from the app
-(:func:`restrict_routes`): ``/v1/responses``, ``/v1/messages``, ``/v1/chat/completions/batch``,
+(:func:`restrict_routes`): ``/v1/responses/{id}`` (a stored response, not tenant-scoped),
+``/v1/messages``, ``/v1/chat/completions/batch``,
 SageMaker's ``/invocations``, ``/generative_scoring``, the disaggregation and elastic-EP
 routes... and whatever a future vLLM adds. A removed route answers 404 with a message naming the
 routes that are served.
@@ -20,8 +21,10 @@ from starlette.routing import BaseRoute
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-"""Routes that reach the engine; their bodies are rewritten with the caller's tenant."""
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+"""Routes that reach the engine; their bodies are rewritten with the caller's tenant. The
+Responses API is served without stored responses (``previous_response_id``, ``background``
+get 400: vLLM's store is one process's memory, shared by every tenant)."""
 
 ENGINE_FREE_PATHS = frozenset(
     {

@@ -115,10 +115,17 @@ async def _call(request: Request, fn: Callable[..., T], *args: Any, **kwargs: An
 
 
 async def _guard(runner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from server.kv.registry.control import RegistryUnavailable, SessionExists, SessionNotFound
+    from server.kv.registry.control import (
+        QuotaExceeded,
+        RegistryUnavailable,
+        SessionExists,
+        SessionNotFound,
+    )
 
     try:
         return await runner(*args, **kwargs)
+    except QuotaExceeded as exc:  # a tenant quota: 409 (pins) or 429 (sessions)
+        raise APIError(exc.status, str(exc)) from exc
     except RegistryUnavailable as exc:  # sessions in Redis, and Redis is down
         raise APIError(503, str(exc)) from exc
     except SessionNotFound as exc:
@@ -149,12 +156,17 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
 
 @router.get("", response_model=SessionList)
 async def list_sessions(request: Request) -> SessionList:
-    """``GET /v1/sessions?limit=100&offset=0``: this tenant's sessions, most recent first."""
+    """``GET /v1/sessions?limit=100&after=<cursor>``: this tenant's sessions, most recent
+    first; ``next_cursor`` continues the listing (``after``), null on the last page.
+    ``offset`` still skips rows, at a cost that grows with it."""
     control = _control(request)
     limit = _int_param(request, "limit", 100, 1, 1000)
     offset = _int_param(request, "offset", 0, 0, 2**31)
-    infos = await _call(request, control.list, _tenant(request), limit=limit, offset=offset)
-    return SessionList(data=infos)
+    after = request.query_params.get("after") or None
+    infos, cursor = await _call(
+        request, control.page, _tenant(request), limit=limit, offset=offset, after=after
+    )
+    return SessionList(data=infos, next_cursor=cursor)
 
 
 @router.post(
@@ -171,7 +183,11 @@ async def create_session(request: Request) -> Session:
     sid = check_session_id(body.id, field="id")
     return await _call(
         request,
-        control.create, sid, _tenant(request), ttl_seconds=body.ttl_seconds, pinned=body.pinned
+        control.create,
+        sid,
+        _tenant(request),
+        ttl_seconds=body.ttl_seconds,
+        pinned=body.pinned,
     )
 
 
@@ -186,7 +202,7 @@ async def get_session(session_id: SessionId, request: Request) -> Session:
 @router.patch(
     "/{session_id}",
     response_model=Session,
-    responses=error_responses(404, 422),
+    responses=error_responses(404, 409, 422),
     openapi_extra=body_schema(SessionUpdate),
 )
 async def update_session(session_id: SessionId, request: Request) -> Session:
@@ -228,14 +244,18 @@ async def _set_pin(
     check_session_id(session_id)
     return await _call(
         request,
-        control.update, session_id, _tenant(request), pinned=pinned, pin_ttl_seconds=pin_ttl
+        control.update,
+        session_id,
+        _tenant(request),
+        pinned=pinned,
+        pin_ttl_seconds=pin_ttl,
     )
 
 
 @router.post(
     "/{session_id}/pin",
     response_model=Session,
-    responses=error_responses(404, 422),
+    responses=error_responses(404, 409, 422),
     openapi_extra=body_schema(SessionPin, required=False),
 )
 async def pin_session(session_id: SessionId, request: Request) -> Session:

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -43,9 +44,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from server.kv.layout import build_manifest, why_no_reuse
 from server.kv.metadata import StepPlan, WorkerReport
 from server.kv.scheduler.ranks import RankTally, check_parallel
-from server.kv.scheduler.recovery import DiskSpace, check_budgets, forget_unregistered_files
+from server.kv.scheduler.recovery import DiskSpace, check_budgets
 from server.kv.scheduler.scheduler import SessionKVScheduler
 from server.kv.scheduler.usage import LoadAccounting
+from server.kv.scheduler.warm_up import FileScan
 from server.kv.settings import ConnectorSettings
 from server.kv.stats import SessionKVPromMetrics, SessionKVStats
 from server.kv.tiers.disk import DiskStore, block_file_bytes
@@ -93,12 +95,11 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def _files_at_start(store: DiskStore | None, settings: ConnectorSettings) -> dict[str, int]:
-    """The sound block files the disk tier starts with (damaged ones deleted, and all of them
-    when the session registry vanished: no session could reach or delete them)."""
-    if store is None:
-        return {}
-    return forget_unregistered_files(store, store.scan(), settings.registry_path)
+def _files_at_start(store: DiskStore | None, settings: ConnectorSettings) -> FileScan:
+    """The sound block files the disk tier starts with, found on a background thread and
+    indexed in steps while the engine serves (damaged ones deleted, and all of them when the
+    session registry vanished: no session could reach or delete them)."""
+    return FileScan(store, settings.registry_path)
 
 
 class SessionKVConnector(KVConnectorBase_V1):
@@ -154,7 +155,10 @@ class SessionKVConnector(KVConnectorBase_V1):
         num_slots = self.settings.ram_bytes // block_bytes
         self.scheduler: SessionKVScheduler | None = None
         self.worker: SessionKVWorker | None = None
+        self._disk_space: DiskSpace | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if store is not None:
+                self._disk_space = DiskSpace(store.root, self.settings.disk_bytes, store.file_bytes)
             self.scheduler = SessionKVScheduler(
                 self.settings,
                 block_size=manifest.block_size,
@@ -163,6 +167,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 disk_files=_files_at_start(store, self.settings),
                 redis=redis,
                 compression_ratio=manifest.block_format.ratio,
+                on_files_indexed=self._fit_disk_budget,
             )
             log.info(
                 "SessionKVConnector: %d RAM slots of %d bytes (%s, %d tensor-parallel rank(s) "
@@ -184,12 +189,15 @@ class SessionKVConnector(KVConnectorBase_V1):
                 redis=redis,
                 block_format=manifest.block_format,
                 rank=rank or 0,
+                block_size=manifest.block_size,
             )
         self._tally = RankTally(tp_size)
         self._usage = LoadAccounting(manifest.block_size)
-        self._disk_space: DiskSpace | None = None
-        if self.scheduler is not None and store is not None:
-            self._disk_space = DiskSpace(store.root, self.settings.disk_bytes, store.file_bytes)
+
+    def _fit_disk_budget(self) -> None:
+        """Every block file found at start is indexed: cap the disk budget at what the file
+        system holds (it counts the files indexed)."""
+        if self._disk_space is not None and self.scheduler is not None:
             self._disk_space.fit_at_start(self.scheduler.index)
 
     @property
@@ -335,3 +343,18 @@ class SessionKVConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_work()
+
+
+class HybridSessionKVConnector(SessionKVConnector, SupportsHMA):
+    """The connector for models vLLM runs only with its hybrid KV cache manager (recurrent
+    state next to attention: Mamba, linear attention), which vLLM keeps on only for a
+    connector that declares ``SupportsHMA``. Such a model has several KV cache groups, which
+    the tiers do not keep yet (:func:`~server.kv.layout.why_no_reuse`), so it offers nothing:
+    the model is served, vLLM's own prefix cache works as without the connector, and the
+    session registry and API keep working. :func:`~server.kv.layout.connector_class_for`
+    picks it."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])

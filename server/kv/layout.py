@@ -11,7 +11,9 @@ and offers nothing (a miss is slower, never wrong).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.kv.settings import ConnectorSettings
@@ -25,6 +27,35 @@ if TYPE_CHECKING:
 SERVED_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"})
 """vLLM KV cache spec classes (exact types) whose blocks the connector saves and loads whole:
 paged attention K/V (or MLA's latent) of ``page_size_bytes`` per block and layer."""
+
+
+CONNECTOR = "SessionKVConnector"
+HYBRID_CONNECTOR = "HybridSessionKVConnector"
+"""The connector's two classes (module ``server.kv.connector``): vLLM runs models with
+recurrent-state layers (Mamba, linear attention next to attention) only with its hybrid KV
+cache manager, which it keeps on only for a connector that declares ``SupportsHMA``."""
+
+
+def connector_class_for(model: str) -> str:
+    """The connector class to load for ``model`` (a local folder): :data:`HYBRID_CONNECTOR`
+    where vLLM's model registry says the architecture keeps a recurrent state (Qwen3-Next,
+    Granite 4 hybrids, Jamba, Nemotron-H...), so vLLM keeps its hybrid KV cache manager on and
+    the model starts; :data:`CONNECTOR` otherwise, so vLLM turns that manager off for models
+    with sliding-window layers (Gemma 2/3, Mistral) and their KV stays one group the tiers
+    keep. A folder without ``config.json`` (or an architecture vLLM does not know) gets
+    :data:`CONNECTOR`; vLLM reports an unknown architecture itself."""
+    try:
+        archs = json.loads((Path(model) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return CONNECTOR
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    for arch in archs or ():
+        entry = ModelRegistry.models.get(arch)
+        if entry is not None:
+            info = entry.inspect_model_cls()
+            return HYBRID_CONNECTOR if info.is_hybrid or info.has_inner_state else CONNECTOR
+    return CONNECTOR
 
 
 def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
@@ -50,8 +81,10 @@ def build_manifest(
 ) -> Manifest:
     """The layout both sides agree on, derived from vLLM's KV cache config alone (the spec
     describes one rank's shard: vLLM divides the KV heads between tensor-parallel ranks). Of
-    several groups (only where :func:`why_no_reuse` turned the tiers off) the first."""
-    group = kv_cache_config.kv_cache_groups[0]
+    several groups (only where :func:`why_no_reuse` turned the tiers off) the first of a
+    served kind, else the first (a recurrent state's spec has no one dtype)."""
+    groups = kv_cache_config.kv_cache_groups
+    group = next((g for g in groups if type(g.kv_cache_spec).__name__ in SERVED_SPECS), groups[0])
     spec = group.kv_cache_spec
     layers = tuple(group.layer_names)
     algo = vllm_config.cache_config.prefix_caching_hash_algo
@@ -61,7 +94,7 @@ def build_manifest(
         weights=weights_fingerprint(
             str(vllm_config.model_config.model), vllm_config.model_config.revision
         ),
-        dtype=str(spec.dtype),
+        dtype=str(getattr(spec, "dtype", None) or getattr(spec, "dtypes", ("none",))[0]),
         block_size=int(spec.block_size),
         layers=layers,
         layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),

@@ -18,13 +18,16 @@ from typing import Any
 __all__ = ["PrefixCacheBusy", "reset_prefix_cache", "reset_prefix_cache_async", "transfer_config"]
 
 
-def transfer_config(extra: dict[str, Any]) -> Any:
+def transfer_config(extra: dict[str, Any], model: str | None = None) -> Any:
     """vLLM's ``KVTransferConfig`` selecting the session connector, with ``extra`` as its
-    ``kv_connector_extra_config`` (keys: docs/configuration.md)."""
+    ``kv_connector_extra_config`` (keys: docs/configuration.md); for ``model``, the class
+    that lets vLLM run it (:func:`~server.kv.layout.connector_class_for`)."""
     from vllm.config import KVTransferConfig
 
+    from server.kv.layout import CONNECTOR, connector_class_for
+
     return KVTransferConfig(
-        kv_connector="SessionKVConnector",
+        kv_connector=connector_class_for(model) if model else CONNECTOR,
         kv_connector_module_path="server.kv.connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,

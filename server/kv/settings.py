@@ -69,6 +69,10 @@ class ConnectorSettings:
     """Stored format of blocks in every tier (:data:`server.kv.formats.OFFLOAD_DTYPES`);
     ``auto`` keeps the engine's dtype. Recorded in the manifest; budgets count stored bytes."""
 
+    pin_share: float = 0.5
+    """Share (0..1) of each tier's blocks that may rank as pinned at once; further pinned
+    blocks may be evicted like unpinned ones (:mod:`server.kv.scheduler.eviction_order`)."""
+
     @property
     def registry_path(self) -> Path:
         """Path of the SQLite session registry (with Redis: this replica's local part)."""
@@ -131,6 +135,7 @@ class ConnectorSettings:
             stats_flush_s=_positive_float(extra, "stats_flush_s"),
             default_gap_s=_positive_float(extra, "default_gap_s"),
             min_gap_s=_positive_float(extra, "min_gap_s"),
+            pin_share=_share(extra, "pin_share"),
         )
 
 
@@ -139,6 +144,13 @@ def _non_negative_int(extra: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SettingsError(f"kv_connector_extra_config[{key!r}] must be an integer >= 0 bytes")
     return value
+
+
+def _share(extra: dict[str, Any], key: str) -> float:
+    value = extra.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise SettingsError(f"kv_connector_extra_config[{key!r}] must be a number in 0..1")
+    return float(value)
 
 
 def _positive_float(extra: dict[str, Any], key: str) -> float:

@@ -346,3 +346,58 @@ def test_graph_token_streaming_uses_the_thread(recorder: Any, model: ChatKVCache
     bodies = recorder.chat_bodies()
     assert [b["stream"] for b in bodies] == [True, True]  # LangGraph asks for token streaming
     assert sent_sessions(recorder) == ["tok-1", "tok-1|research"]
+
+
+# ----------------------------------------------------------------------------- errors
+def test_connection_errors_say_what_happened_and_where() -> None:
+    """The OpenAI client's bare "Connection error." named no URL, and a timeout read like a
+    refused connection; both now say which server and what to do, as the same types."""
+    import socket
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    dead = ChatKVCache(base_url=dead_url, max_retries=0)
+    for call in (lambda: dead.invoke("Hi"), lambda: list(dead.stream("Hi"))):
+        with pytest.raises(openai.APIConnectionError) as info:
+            call()
+        assert not isinstance(info.value, openai.APITimeoutError)
+        assert dead_url in str(info.value) and "LGKV_SERVER_URL" in str(info.value)
+    with socket.socket() as hung:  # accepts connections (backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(4)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}/v1"
+        slow = ChatKVCache(base_url=url, timeout=0.3, max_retries=0)
+        with pytest.raises(openai.APITimeoutError) as timed_out:
+            slow.invoke("Hi")
+    assert url in str(timed_out.value) and "timeout=0.3" in str(timed_out.value)
+    assert "cannot reach" not in str(timed_out.value)
+
+
+def test_a_cut_streamed_call_is_whole_only_with_complete_required_arguments() -> None:
+    """A forced call cut at ``max_tokens`` raises unless a whole call came before the cut
+    (the server-side checks are in tests/integration/agents/test_tool_choice.py)."""
+    from langchain_core.outputs import ChatGenerationChunk
+
+    from langgraph_kvcache.chat_model import _has_whole_call, _StreamedCall
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
+
+    def streamed(*pieces: tuple[int, str]) -> _StreamedCall:
+        out = _StreamedCall()
+        for index, args in pieces:
+            chunk = {"name": "lookup", "args": args, "id": f"c{index}", "index": index}
+            out.add(
+                ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[chunk]))
+            )
+        return out
+
+    assert not _has_whole_call(streamed((0, "{}")), {"tools": tools})  # title missing
+    assert not _has_whole_call(streamed((0, '{"title": "At')), {"tools": tools})
+    assert _has_whole_call(streamed((0, '{"title": "At'), (0, 'om"}')), {"tools": tools})
+    whole_then_cut = streamed((0, '{"title": "Atom"}'), (1, '{"ti'))
+    assert _has_whole_call(whole_then_cut, {"tools": tools})
+    assert not _has_whole_call(_StreamedCall(), {"tools": tools})

@@ -14,6 +14,7 @@ import pytest
 from langgraph_kvcache import AsyncKVCacheClient, KVCacheClient
 from langgraph_kvcache.client import (
     UNSET,
+    AuthenticationError,
     KVCacheClientError,
     PrefetchResult,
     ServerUnavailableError,
@@ -167,7 +168,7 @@ def test_api_key_and_url_from_the_environment(
         (404, "Session 'x' not found", SessionNotFoundError),
         (409, "Session 'x' already exists", SessionExistsError),
         (400, "Invalid session id", SessionAPIError),
-        (401, "Missing or wrong API key", SessionAPIError),
+        (401, "Missing or wrong API key", AuthenticationError),
         (500, "engine exploded", SessionAPIError),
     ],
 )
@@ -182,7 +183,12 @@ def test_error_answers_map_to_typed_errors(
     assert isinstance(exc, SessionAPIError)
     assert isinstance(exc, KVCacheError)
     assert exc.status_code == status
-    assert exc.message == error
+    assert exc.message == error or (  # a refused key also says what to do
+        expected is AuthenticationError
+        and exc.message.startswith(error)
+        and "kv_api_key=" in exc.message
+        and recorder.url in exc.message
+    )
     assert exc.error_type == "invalid_request_error"
     assert error in str(exc)
 
@@ -220,14 +226,21 @@ def test_connection_refused_says_how_to_fix() -> None:
         pytest.raises(ServerUnavailableError, match="LGKV_SERVER_URL") as info,
     ):
         kv.list_sessions()
+    assert "Cannot reach" in str(info.value) and "ConnectError" in str(info.value)
     assert isinstance(info.value, ConnectionError)
     assert isinstance(info.value, KVCacheClientError)
 
 
 def test_timeout_is_unavailable(recorder: Any) -> None:
     recorder.queue_answer(200, session_json("t1"), delay_s=1.0)
-    with KVCacheClient(recorder.url, timeout=0.2) as kv, pytest.raises(ServerUnavailableError):
+    with (
+        KVCacheClient(recorder.url, timeout=0.2) as kv,
+        pytest.raises(ServerUnavailableError) as info,
+    ):
         kv.get_session("t1")
+    message = str(info.value)  # says what happened (not "cannot reach"), and where
+    assert "did not answer within 0.2 s" in message and recorder.url in message
+    assert "may have taken effect" in message and "Cannot reach" not in message
 
 
 def test_malformed_answers_are_reported(recorder: Any) -> None:

@@ -56,6 +56,26 @@ def test_distinct_odd_ids_do_not_collide() -> None:
     assert len(ids) == 5
 
 
+def test_a_thread_id_shaped_like_a_digest_form_gets_its_own_session() -> None:
+    """``'user 1 thread'`` is hashed to ``user-1-thread=<digest>``; a thread literally named so
+    shared its session (deleting one thread deleted the other's KV). Only digest forms hold
+    ``=``: an id with ``=`` is hashed too, so the mapping is one-to-one."""
+    hashed = session_id_for("user 1 thread")
+    assert hashed.startswith("user-1-thread=")
+    assert session_id_for(hashed) != hashed
+    assert thread_session_prefix(hashed) != thread_session_prefix("user 1 thread")
+    assert session_id_for("a=b") != "a=b" and "=" in session_id_for("a=b")
+    # namespaces likewise: a node name with "=" is hashed, never taken as a digest form
+    named = session_id_for("t1", f"n=x:{TASK}")
+    assert named != "t1|n=x" and SESSION_ID_PATTERN.fullmatch(named)
+    odd = session_id_for("t1", f"n x:{TASK}")
+    assert session_id_for("t1", odd.split("|", 1)[1]) != odd
+    # plain ids never hold "=", digest forms always do
+    for thread_id in ["t1", "a.b-c", "user@x:1", "x" * 300, "a b", "a|b", "=", "a=", "ü"]:
+        sid = session_id_for(thread_id)
+        assert ("=" in sid) == (sid != str(thread_id)), thread_id
+
+
 def test_thread_with_pipe_cannot_impersonate_a_subgraph_session() -> None:
     assert session_id_for("a|b") != session_id_for("a", f"b:{TASK}")
 

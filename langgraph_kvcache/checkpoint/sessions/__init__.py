@@ -3,6 +3,7 @@
 - :mod:`.sync`, :mod:`.aio`: ``ThreadSessions`` / ``AsyncThreadSessions``, the keepers the
   savers build (what they do is in :mod:`.sync`);
 - :mod:`.keeper`: their logic, written once (in-transaction operations and steps);
+- :mod:`.steps`: the steps' kinds (SQL, session API request) and their sync and async drivers;
 - :mod:`.options`: ``KVSessionOptions`` (what ``kv_server=`` becomes) and the per-process tracker;
 - :mod:`.pins`: run-scoped pins;
 - :mod:`.store`: the ``checkpoint_kv_sessions`` and ``checkpoint_kv_outbox`` tables.

@@ -94,6 +94,10 @@ class AsyncThreadSessions(SessionKeeper):
         await self._after_change()
         return threads
 
+    async def check_server(self) -> None:
+        """``setup()``'s look at the server (see :meth:`SessionKeeper._check_key_steps`)."""
+        await self._serially(self._check_key_steps())
+
     async def drain(self) -> int:
         """See :meth:`.sync.ThreadSessions.drain`."""
         return await self._serially(self._drain_steps())

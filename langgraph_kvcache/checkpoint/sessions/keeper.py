@@ -9,10 +9,10 @@
   the same transaction: the session table rows, and an outbox row for each server call the
   change owes. Once the change is committed its calls are too: a process killed right after the
   commit leaves them in the outbox, and the next drain of any process on the database makes them.
-- **Steps** (:data:`Steps`): generators that yield :class:`Sql` (run an operation) and
-  :class:`Request` (call the session API), are sent each result or thrown its error, and return
-  their own result. The sync keeper drives them with a :class:`Runner` and a ``KVCacheClient``,
-  the async one with an async :class:`Runner` and an ``AsyncKVCacheClient``.
+- **Steps** (:data:`~.steps.Steps`): generators that yield :class:`Sql` (run an operation)
+  and :class:`Request` (call the session API), are sent each result or thrown its error, and
+  return their own result. The sync keeper drives them with a :class:`Runner` and a
+  ``KVCacheClient``, the async one with an async :class:`Runner` and an ``AsyncKVCacheClient``.
 
 A keeper talks to its saver only through a :class:`Runner`; the server only through the steps.
 """
@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
-from langgraph_kvcache.checkpoint.base import Mode, Op
+from langgraph_kvcache.checkpoint.base import Op
 from langgraph_kvcache.checkpoint.hooks import LifecycleHooks
 from langgraph_kvcache.checkpoint.sessions import store
 from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions, Tracker
 from langgraph_kvcache.checkpoint.sessions.pins import PinCall, RunPins
+from langgraph_kvcache.checkpoint.sessions.steps import Request, Runner, Sql, Steps, adrive, drive
 from langgraph_kvcache.checkpoint.sessions.store import SessionCall
 from langgraph_kvcache.client import (
+    AuthenticationError,
     KVCacheClientError,
     ServerUnavailableError,
     SessionExistsError,
@@ -47,65 +49,9 @@ __all__ = ["Request", "Runner", "SessionKeeper", "Sql", "Steps", "Warm", "adrive
 logger = logging.getLogger("langgraph_kvcache.checkpoint.sessions.sync")
 
 T = TypeVar("T")
-R = TypeVar("R", covariant=True)
 
 DRAIN_BATCH = 100
 """Outbox rows read per query while draining."""
-
-
-@dataclass(frozen=True)
-class Runner(Generic[R]):
-    """What a keeper needs of its saver's database, and all it gets.
-
-    ``Runner[Any]`` for a sync saver; ``Runner[Awaitable[Any]]`` for an async one.
-    """
-
-    dialect: str
-    """``"sqlite"`` or ``"postgresql"``."""
-    run: Callable[[Op[Any], Mode], R]
-    """Run an operation as one transaction of the given mode and return its result (sync), or
-    an awaitable of it (async); the database's errors propagate, nothing is committed then."""
-    delete_threads: Callable[[Sequence[str]], Op[None]]
-    """The saver's operation that deletes threads' checkpoints, blobs and writes (run by
-    ``sweep_expired`` inside its own transaction)."""
-
-
-@dataclass(frozen=True)
-class Sql:
-    """Step: run ``op`` through the keeper's :class:`Runner`; sent its result."""
-
-    op: Op[Any]
-    mode: Mode = "read"
-
-    def make(self, client: Any, runner: Runner[Any]) -> Any:
-        """Run the operation (an awaitable of its result with an async runner)."""
-        return runner.run(self.op, self.mode)
-
-
-ClientMethod = Literal[
-    "create_session", "update_session", "delete_session", "copy_session", "prefetch", "pin",
-    "unpin",
-]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Request:
-    """Step: call ``method`` of the keeper's session API client (sync or async: the two have the
-    same methods); sent its result, or thrown its
-    :class:`~langgraph_kvcache.client.KVCacheClientError`."""
-
-    method: ClientMethod
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def make(self, client: Any, runner: Runner[Any]) -> Any:
-        """Call the client (an awaitable of the result with an async client)."""
-        return getattr(client, self.method)(*self.args, **self.kwargs)
-
-
-Step = Sql | Request
-Steps = Generator[Step, Any, T]
-"""Keeper logic: yields steps, is sent their results (or thrown their errors), returns ``T``."""
 
 
 @dataclass(frozen=True)
@@ -116,16 +62,6 @@ class Warm:
     session_id: str
     drain: bool
     prefetch: bool
-
-
-def warm_plan(
-    options: KVSessionOptions, found: CheckpointTuple | None, new: bool
-) -> tuple[bool, bool]:
-    """(register the session, prefetch its KV) after a ``get_tuple``. A thread with no
-    checkpoint has no KV to prefetch; its session is registered only when it will carry the
-    saver's TTL (a ``get_state`` of an unknown thread must not leave an immortal session)."""
-    register = new and (found is not None or options.ttl_seconds is not None)
-    return register, found is not None
 
 
 def thread_key(config: RunnableConfig) -> tuple[str, str]:
@@ -185,8 +121,20 @@ class SessionKeeper(LifecycleHooks):
     # -- store hooks (run pins; see :mod:`.pins`) ----------------------------------------
 
     def _after_checkpoint(self, config: RunnableConfig, checkpoint: Checkpoint) -> None:
+        try:
+            key = thread_key(config)
+        except (KeyError, TypeError):  # no thread id: nothing to register
+            key = None
+        if key is not None and self._tracker.first_registration(key):
+            self._submit(self._register_steps(key))
         if self.run_pins is not None:
             self._pin(self.run_pins.on_checkpoint, config, checkpoint)
+
+    def _register_steps(self, key: tuple[str, str]) -> Steps[None]:
+        """A thread's first checkpoint stored by this process (a write, never a read): record
+        its use and register its session with the saver's TTL, in the background."""
+        yield Sql(self._op_use(key, True), "write")
+        yield from self._drain_steps()
 
     def _after_task_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]]) -> None:
         if self.run_pins is not None:
@@ -269,14 +217,21 @@ class SessionKeeper(LifecycleHooks):
     def _get_tuple_steps(
         self, config: RunnableConfig, found: CheckpointTuple | None
     ) -> Steps[Warm | None]:
-        """Record the use (at most once per ``prefetch_interval_s``), owe a registration of a
-        session new to this process; return the background work, if any."""
+        """For a thread that has a checkpoint: record the use (at most once per
+        ``prefetch_interval_s``), owe a registration of a session new to this process, and
+        prefetch its KV. A read never creates a session, nor a row: a thread without
+        checkpoints (unknown, deleted or expired) registers at its first checkpoint
+        (:meth:`_after_checkpoint`). Returns the background work, if any."""
         key = thread_key(config)
-        due, new = self._tracker.due(key)
         register = prefetch = False
-        if due:
-            register, prefetch = warm_plan(self.options, found, new)
-            yield Sql(self._op_use(key, register), "write" if register else "single")
+        if found is not None and self.run_pins is not None:
+            self.run_pins.on_read(config, found.pending_writes or ())
+        if found is not None:
+            due, _ = self._tracker.due(key)
+            if due:
+                register = self._tracker.first_registration(key)
+                prefetch = True
+                yield Sql(self._op_use(key, register), "write" if register else "single")
         drain = register or self._tracker.retry_due()
         if drain or prefetch:
             return Warm(session_id_for(*key), drain, prefetch)
@@ -286,6 +241,17 @@ class SessionKeeper(LifecycleHooks):
         yield from store.op_touch(self.runner.dialect, [key], time.time())
         if register:
             yield from self._op_owe([SessionCall("register", session_id_for(*key))])
+
+    def _check_key_steps(self) -> Steps[None]:
+        """``setup()``'s look at the server: a refused key raises
+        :class:`~langgraph_kvcache.client.AuthenticationError` (every call of this saver would
+        be refused); the server down, or any other answer, is a warning only."""
+        try:
+            yield Request("list_sessions", (), {"limit": 1})
+        except AuthenticationError:
+            raise
+        except KVCacheClientError as exc:
+            logger.warning("KV-cache server not checked at setup: %s", exc)
 
     def _warm_steps(self, job: Warm) -> Steps[None]:
         """``get_tuple``'s background work: drain (registrations first), then prefetch."""
@@ -302,8 +268,9 @@ class SessionKeeper(LifecycleHooks):
 
     def _drain_steps(self) -> Steps[int]:
         """Replay the outbox in order until it is empty or the server is unavailable; returns
-        how many calls were made. A call the server refuses (other than a missing session,
-        which is no error) is logged and dropped."""
+        how many calls were made. A refused key (401) stops the drain and keeps the call,
+        like an unavailable server; any other refusal (a missing session is no error) is
+        logged and the call dropped."""
         sent = 0
         while True:
             rows = yield Sql(store.op_pending(DRAIN_BATCH))
@@ -315,6 +282,14 @@ class SessionKeeper(LifecycleHooks):
                     yield from self._call_steps(row.call)
                 except ServerUnavailableError as exc:
                     log_unavailable(f"{len(rows)}+ pending session calls retried", exc)
+                    yield Sql(store.op_failed(row.id, str(exc)), "single")
+                    self._tracker.outbox_pending = True
+                    return sent
+                except AuthenticationError as exc:  # never drop a call for a wrong key
+                    logger.error(
+                        "KV-cache server refused the saver's key; %d+ session calls (%s first) "
+                        "stay in the outbox until it is fixed: %s", len(rows), row.call, exc,
+                    )  # fmt: skip
                     yield Sql(store.op_failed(row.id, str(exc)), "single")
                     self._tracker.outbox_pending = True
                     return sent
@@ -341,69 +316,3 @@ class SessionKeeper(LifecycleHooks):
                         yield Request("update_session", (call.session_id,), {"ttl_seconds": ttl})
         except SessionNotFoundError:
             return
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a step came to: its value, or the error it raised."""
-
-    value: Any = None
-    error: Exception | None = None
-
-
-def _outcome(step: Step, client: Any, runner: Runner[Any]) -> Outcome:
-    try:
-        return Outcome(step.make(client, runner))
-    except Exception as exc:  # for the steps to handle or re-raise
-        return Outcome(error=exc)
-
-
-async def _aoutcome(step: Step, client: Any, runner: Runner[Any]) -> Outcome:
-    try:
-        return Outcome(await step.make(client, runner))
-    except Exception as exc:  # for the steps to handle or re-raise
-        return Outcome(error=exc)
-
-
-def drive(steps: Steps[T], client: Any, runner: Runner[Any]) -> T:
-    """Run keeper steps to their result: SQL through a sync ``runner``, requests through a
-    ``KVCacheClient``. Raises what the steps do not handle."""
-    run = StepRun(steps)
-    while run.step is not None:
-        run.answer(_outcome(run.step, client, runner))
-    return run.result
-
-
-async def adrive(steps: Steps[T], client: Any, runner: Runner[Awaitable[Any]]) -> T:
-    """:func:`drive` for an async ``runner`` and an ``AsyncKVCacheClient``."""
-    run = StepRun(steps)
-    while run.step is not None:
-        run.answer(await _aoutcome(run.step, client, runner))
-    return run.result
-
-
-class StepRun(Generic[T]):
-    """One run of keeper steps by a driver, which loops while :attr:`step` is not ``None``:
-    it makes the step and hands its :class:`Outcome` to :meth:`answer`; :attr:`result` holds
-    what the steps returned. Errors the steps do not handle propagate from :meth:`answer`."""
-
-    def __init__(self, steps: Steps[T]) -> None:
-        self._steps = steps
-        self.step: Step | None = None
-        self.result: T
-        self._advance(lambda: next(steps))
-
-    def answer(self, done: Outcome) -> None:
-        """Send the step's value to the steps, or throw its error into them."""
-        if done.error is not None:
-            error = done.error
-            self._advance(lambda: self._steps.throw(error))
-        else:
-            self._advance(lambda: self._steps.send(done.value))
-
-    def _advance(self, resume: Callable[[], Step]) -> None:
-        try:
-            self.step = resume()
-        except StopIteration as stop:
-            self.step = None
-            self.result = stop.value

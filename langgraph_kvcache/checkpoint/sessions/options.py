@@ -63,8 +63,13 @@ class KVSessionOptions:
     an hour (:data:`DEFAULT_INTERRUPT_PIN_S`) without a TTL."""
 
     def __post_init__(self) -> None:
-        if not self.server_url:
-            raise ValueError("kv_server must be the server's URL, e.g. http://127.0.0.1:8000")
+        if not isinstance(self.server_url, str) or not self.server_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                "kv_server must be the server's URL (http://... or https://..., e.g. "
+                f"http://127.0.0.1:8000) or a KVSessionOptions, got {self.server_url!r}"
+            )
         if self.ttl_seconds is not None and not self.ttl_seconds > 0:
             raise ValueError(f"ttl_seconds must be > 0 or None, got {self.ttl_seconds!r}")
         for name in ("prefetch_interval_s", "call_timeout_s", "retry_interval_s"):
@@ -106,7 +111,12 @@ def resolve_options(
         if kv_api_key is not None or ttl_seconds is not None:
             raise ValueError("pass api_key and ttl_seconds inside KVSessionOptions, not beside it")
         return kv_server
-    return KVSessionOptions(str(kv_server), api_key=kv_api_key, ttl_seconds=ttl_seconds)
+    if not isinstance(kv_server, str):
+        raise TypeError(
+            "kv_server must be the server's URL (e.g. http://127.0.0.1:8000) or a "
+            f"KVSessionOptions, not {type(kv_server).__name__} {kv_server!r}"
+        )
+    return KVSessionOptions(kv_server, api_key=kv_api_key, ttl_seconds=ttl_seconds)
 
 
 class Tracker:
@@ -116,6 +126,7 @@ class Tracker:
     def __init__(self, options: KVSessionOptions) -> None:
         self.options = options
         self._last: dict[tuple[str, str], float] = {}
+        self._registered: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self.outbox_pending: bool | None = None  # None: not checked yet in this process
         self.last_retry = 0.0
@@ -133,11 +144,24 @@ class Tracker:
             self._last[key] = now
             return True, last is None
 
+    def first_registration(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s session is not registered by this process yet (and note that it
+        is now). Past :data:`_MAX_TRACKED` keys the memory starts afresh: a registration
+        made twice is harmless (it sets the same TTL)."""
+        with self._lock:
+            if key in self._registered:
+                return False
+            if len(self._registered) >= _MAX_TRACKED:
+                self._registered.clear()
+            self._registered.add(key)
+            return True
+
     def forget(self, thread_ids: Sequence[str]) -> None:
         """Drop deleted threads (a reused id starts afresh: registered again)."""
         gone = set(thread_ids)
         with self._lock:
             self._last = {k: t for k, t in self._last.items() if k[0] not in gone}
+            self._registered = {k for k in self._registered if k[0] not in gone}
 
     def retry_due(self) -> bool:
         """Whether ``get_tuple`` should drain the outbox now (and note that it does): every

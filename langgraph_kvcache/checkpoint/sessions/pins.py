@@ -15,7 +15,11 @@ given to store:
   interrupt lease (``interrupt_pin_s``, by default the thread TTL), which the resumed run's
   checkpoints leave alone while it is the longer.
 
-A client that dies mid-run never unpins: its lease lapses on the server by itself. A run
+A thread may resume in another process than the one that pinned it (a fresh saver of another
+web request or worker answers the ``interrupt()``): a ``get_tuple`` that finds the thread
+stopped by an ``INTERRUPT`` write takes the interrupt lease over (:meth:`RunPins.on_read`), so
+whichever saver ends the resumed run releases the pin. A client that dies mid-run never
+unpins: its lease lapses on the server by itself. A run
 stopped by ``interrupt_before``/``interrupt_after`` ends on a checkpoint with pending tasks,
 which looks like any checkpoint of a run going on: it keeps the run lease only.
 
@@ -140,6 +144,17 @@ class RunPins:
         if ERROR in channels:
             return self._release(_key(config))
         return None
+
+    def on_read(self, config: Mapping[str, Any], pending_writes: Iterable[Sequence[Any]]) -> None:
+        """A ``get_tuple`` found the thread's checkpoint with these pending writes: a thread
+        stopped by ``interrupt()`` holds the interrupt lease (whoever pinned it), which this
+        process now releases when the run it resumes ends. No call."""
+        if not any(len(w) > 1 and w[1] == INTERRUPT for w in pending_writes):
+            return
+        key = _key(config)
+        with self._lock:
+            if key not in self._until:
+                self._until[key] = time.monotonic() + self.interrupt_pin_s
 
     def failed(self, call: PinCall) -> None:
         """The server did not take ``call`` (no session yet, unreachable): the next

@@ -7,9 +7,11 @@ checkpoint namespace) maps to the server session :func:`~langgraph_kvcache.sessi
 names (the one ``ChatKVCache`` sends), kept in the ``checkpoint_kv_sessions`` table
 (:mod:`.store`):
 
-- ``get_tuple`` (a run starts or resumes), at most once per ``prefetch_interval_s`` per session:
-  records the use, registers the session on the server with the saver's TTL (first time in
-  this process) and asks the server to prefetch its KV from disk to RAM. The server calls run in
+- ``get_tuple`` of a thread that has a checkpoint (a run starts or resumes), at most once per
+  ``prefetch_interval_s`` per session: records the use, registers the session on the server
+  with the saver's TTL (first time in this process) and asks the server to prefetch its KV from
+  disk to RAM. A read never creates a session: a thread without checkpoints (new, deleted or
+  expired) is registered at its first stored checkpoint (``put``). The server calls run in
   the background: the graph never waits for them.
 - ``delete_thread``, ``prune(strategy="delete")``, and ``delete_for_runs`` for threads left
   without checkpoints: delete the thread's sessions (root and subgraphs) and their KV.
@@ -26,9 +28,10 @@ Every server call a change owes (a delete, a copy, a registration) is written to
 table in the change's own transaction, and made after the commit by draining the outbox in
 order. So a process that dies between the commit and the call loses nothing: the next drain,
 by any process on the database, makes it. The server down or slow never fails the saver: a call
-that cannot be made (refused connection, timeout, 502/503/504) is logged as a warning and stays
-in the outbox, replayed by later operations (delete, copy and sweep at once; ``get_tuple`` in
-the background at most every ``retry_interval_s``).
+that cannot be made (refused connection, timeout, 502/503/504; or 401, a key the server
+refuses, logged as an error) stays in the outbox, replayed by later operations (delete, copy
+and sweep at once; ``get_tuple`` in the background at most every ``retry_interval_s``).
+``setup()`` raises :class:`~langgraph_kvcache.client.AuthenticationError` for a refused key.
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ class ThreadSessions(SessionKeeper):
         threads: list[str] = self.runner.run(self._op_sweep(limit), "write")
         self._after_change()
         return threads
+
+    def check_server(self) -> None:
+        """``setup()``'s look at the server (see :meth:`SessionKeeper._check_key_steps`)."""
+        self._serially(self._check_key_steps())
 
     def drain(self) -> int:
         """Make the outbox's calls in order until it is empty or the server is unavailable

@@ -20,13 +20,40 @@ Feed positions (:data:`Cursor`) are opaque to callers: SQLite row numbers, Redis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from server.kv.registry.sql import SessionRow, TierCount
 
 Cursor = int | str
 """A position in a feed (``changes`` or ``drops``): only compared by the store that gave it."""
+
+
+SnapshotChunk = tuple[list[SessionRow], list[tuple[str, str, str]]]
+"""Sessions and their (tenant, session id, key) references in block order."""
+
+
+def join_snapshot(chunks: Iterable[SnapshotChunk]) -> SnapshotChunk:
+    """The chunks of an ``iter_policy_snapshot``, joined (the whole snapshot at once)."""
+    sessions: list[SessionRow] = []
+    refs: list[tuple[str, str, str]] = []
+    for rows, chunk_refs in chunks:
+        sessions.extend(rows)
+        refs.extend(chunk_refs)
+    return sessions, refs
+
+
+def purge_in_batches(
+    purge_batch: Callable[[float], tuple[list[str], bool]], now: float
+) -> list[str]:
+    """Run ``purge_batch(now)`` (one bounded, short transaction) until nothing more is due;
+    the keys it freed, sorted."""
+    freed: set[str] = set()
+    while True:
+        keys, more = purge_batch(now)
+        freed.update(keys)
+        if not more:
+            return sorted(freed)
 
 
 class RegistryUnavailable(OSError):
@@ -46,19 +73,32 @@ class SessionStore(Protocol):
         """Raise :class:`RegistryUnavailable` if the store cannot be reached (cheap)."""
 
     def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
-        """The session with its block count, or None if unknown."""
+        """The session with its block count, or None if unknown (an expired one that is not
+        purged yet is returned: readers check :attr:`SessionRow.expires_at`)."""
 
-    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
-        """A tenant's sessions, most recently used first."""
+    def list_sessions(
+        self, tenant: str, limit: int, offset: int = 0, *, after: str | None = None
+    ) -> list[SessionRow]:
+        """A tenant's sessions, most recently used first (ties by id, descending): up to
+        ``limit`` of them, after the row the page cursor ``after`` names
+        (:func:`server.kv.registry.page.session_cursor` of a page's last row; ValueError when
+        malformed), skipping ``offset`` more. With a cursor a page costs O(log n + limit)
+        whichever page it is; ``offset`` is kept for compatibility (its cost grows with it).
+        Rows may be expired ones not purged yet."""
 
-    def count_sessions(self) -> int:
-        """Number of sessions of all tenants."""
+    def count_sessions(self, tenant: str | None = None) -> int:
+        """Number of sessions of all tenants, or of ``tenant`` (kept counts: O(1))."""
 
     def create_session(
         self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
     ) -> bool:
         """Insert an empty managed session; False if it exists (an expired one counts as gone:
-        it is deleted and its blocks recorded as drops)."""
+        it is deleted and its blocks recorded as drops).
+
+        Every write treats a session past its TTL as missing, though the engine may not have
+        purged it yet: update and copy answer as for an unknown session (an expired copy
+        target is free: deleted, its freed blocks dropped), and a turn recorded for one
+        starts it over as a new session."""
 
     def update_session(
         self,
@@ -70,7 +110,8 @@ class SessionStore(Protocol):
         pinned: bool | None,
         pin_ttl_s: float | None = None,
     ) -> bool:
-        """Change TTL (when ``set_ttl``) and/or pin, mark managed; False if unknown. A pin
+        """Change TTL (when ``set_ttl``) and/or pin, mark managed; False if unknown or
+        expired. A pin
         with ``pin_ttl_s`` is a lease: the session is pinned for that many seconds, then an
         ordinary session again (:meth:`purge_expired` clears lapsed leases; readers treat a
         lapsed lease as unpinned at once). Unpinning drops any lease."""
@@ -85,10 +126,19 @@ class SessionStore(Protocol):
         default_ttl_s: float | None,
         now: float | None = None,
     ) -> None:
-        """Record a finished request: block list, tokens, turn count and gap statistics."""
+        """Record a finished request: block list, tokens, turn count and gap statistics (a
+        session expired by ``now`` starts over: turn 1, the default TTL, unpinned)."""
 
     def mark_managed(self, tenant: str, session_id: str) -> None:
         """Note that a client manages the session."""
+
+    def pinned_sessions(self, tenant: str, now: float) -> list[SessionRow]:
+        """The tenant's sessions pinned at ``now`` (not a lapsed lease, not expired; rows
+        without block counts): O(the tenant's pins), for its pin quotas."""
+
+    def managed_sessions(self, tenant: str) -> list[SessionRow]:
+        """The tenant's managed sessions that have not expired (rows without block counts):
+        O(the tenant's managed sessions)."""
 
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys in prefix order."""
@@ -98,15 +148,33 @@ class SessionStore(Protocol):
         unknown)."""
 
     def copy_session(self, tenant: str, source: str, target: str, *, overwrite: bool) -> str:
-        """Fork ``source`` into ``target``: "ok", "no_source" or "target_exists"."""
+        """Fork ``source`` into ``target``: "ok", "no_source" (unknown or expired) or
+        "target_exists" (an expired target does not count)."""
 
     def purge_expired(self, now: float | None = None) -> list[str]:
         """Delete every expired session, record and return the freed keys; unpin sessions
         whose pin lease lapsed. Idempotent: two callers at once delete each session once and
-        record its drops once."""
+        record its drops once. Runs :meth:`purge_expired_batch` until nothing is due, so no
+        transaction or script is longer than one batch; with nothing due it costs a few
+        index reads (no write lock)."""
+
+    def purge_expired_batch(
+        self, now: float | None = None, *, limit: int = ...
+    ) -> tuple[list[str], bool]:
+        """One bounded purge step (up to ``limit`` sessions, one short transaction or
+        script): (the freed keys, whether more is due)."""
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
-        """All sessions and all (tenant, session id, key) references."""
+        """All sessions and all (tenant, session id, key) references (O(n): the chunks of
+        :meth:`iter_policy_snapshot` joined)."""
+
+    def iter_policy_snapshot(
+        self, chunk: int = ...
+    ) -> Iterator[tuple[list[SessionRow], list[tuple[str, str, str]]]]:
+        """The snapshot in chunks of about ``chunk`` sessions, each with its sessions' block
+        references in order; each chunk is one short read, so a consumer can take it in
+        steps. Read :meth:`change_seq` first: sessions written while it streams come again
+        in :meth:`changes_after` that position."""
 
     def session_state(self, tenant: str, session_id: str) -> tuple[SessionRow | None, list[str]]:
         """A session's row and block keys, read together."""

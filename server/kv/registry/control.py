@@ -64,6 +64,9 @@ from langgraph_kvcache.contract import (
 )
 from server.kv.registry.api import RegistryUnavailable
 from server.kv.registry.drop_watch import DropWatcher
+from server.kv.registry.page import parse_session_cursor, session_cursor
+from server.kv.registry.quotas import GenerationAdmission, QuotaExceeded, TenantQuotas
+from server.kv.registry.samples import registry_samples
 from server.kv.registry.shared import SharedRegistry, open_registry
 from server.kv.registry.sql import SessionRow, TierCount
 from server.kv.registry.turn_watch import TurnWatch
@@ -79,25 +82,9 @@ DELETE_SETTLE_S = 10.0
 PREFETCH_WAIT_S = 1.0
 """Longest wait of ``prefetch`` for the engine's copy disk -> RAM (then it answers with the
 blocks in RAM so far; the copy goes on)."""
-
-_COUNTERS = (
-    'lgkv_hit_blocks_total{tier="ram"}',
-    'lgkv_hit_blocks_total{tier="disk"}',
-    'lgkv_hit_blocks_total{tier="redis"}',
-    'lgkv_hit_tails_total{tier="ram"}',
-    'lgkv_hit_tails_total{tier="disk"}',
-    "lgkv_hit_tail_tokens_total",
-    "lgkv_miss_blocks_total",
-    'lgkv_evicted_blocks_total{tier="ram"}',
-    'lgkv_evicted_blocks_total{tier="disk"}',
-    'lgkv_evicted_blocks_total{tier="redis"}',
-    'lgkv_tier_bytes{tier="ram"}',
-    'lgkv_tier_bytes{tier="disk"}',
-    'lgkv_tier_bytes{tier="redis"}',
-    'lgkv_tier_blocks{tier="ram"}',
-    'lgkv_tier_blocks{tier="disk"}',
-    'lgkv_tier_blocks{tier="redis"}',
-)
+PREFETCH_BUSY_WAIT_S = 0.05
+"""The same while the engine generates: its one-token request may wait for a batch slot, and
+a caller never needs the copy to have finished (the next turn loads what is still on disk)."""
 
 
 class SessionNotFound(LookupError):
@@ -111,6 +98,7 @@ class SessionExists(ValueError):
 __all__ = [
     "UNSET",
     "InvalidSessionId",
+    "QuotaExceeded",
     "RegistryUnavailable",
     "Session",
     "SessionControl",
@@ -132,6 +120,7 @@ class SessionControl:
         engine_client: object | None = None,
         redis_url: str | None = None,
         namespace: str = "default",
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.default_ttl_s = default_ttl_s
@@ -141,6 +130,10 @@ class SessionControl:
         )
         """Sessions in the SQLite file, or in Redis (shared by the replicas) with
         ``redis_url``; this replica's block locations and counters in the file either way."""
+        self.quotas = quotas or TenantQuotas()
+        """Per-tenant bounds checked before a change is recorded (:mod:`.quotas`)."""
+        self.admission = GenerationAdmission(self.registry, self.quotas)
+        """The session quota of generations that name a new session."""
         self.turns = TurnWatch()
         """This process's turns whose records the registry may not show yet; the request
         middleware reports every generation of a named session to it."""
@@ -153,13 +146,27 @@ class SessionControl:
 
     # ----------------------------------------------------------------- queries
 
-    def list(self, tenant: str, *, limit: int = 100, offset: int = 0) -> list[Session]:
-        """A tenant's live sessions, most recently used first."""
+    def list(
+        self, tenant: str, *, limit: int = 100, offset: int = 0, after: str | None = None
+    ) -> list[Session]:
+        """A tenant's live sessions, most recently used first (see :meth:`page`)."""
+        return self.page(tenant, limit=limit, offset=offset, after=after)[0]
+
+    def page(
+        self, tenant: str, *, limit: int = 100, offset: int = 0, after: str | None = None
+    ) -> tuple[list[Session], str | None]:
+        """A page of a tenant's live sessions, most recently used first, and the cursor of the
+        next page (None after the last). ``after`` is a cursor a page returned (keyset paging,
+        the same cost on every page); ``offset`` skips rows after it (kept for older clients:
+        its cost grows with the offset). ValueError for a malformed cursor."""
         if limit < 0 or offset < 0:
             raise ValueError("limit and offset must be >= 0")
+        if after is not None:
+            parse_session_cursor(after)
         self.catch_up(tenant)
-        rows = self.registry.list_sessions(tenant, limit, offset)
-        return [self._info(r) for r in rows if _readable(r) and not _expired(r)]
+        rows = self.registry.list_sessions(tenant, limit, offset, after=after)
+        cursor = session_cursor(rows[-1]) if rows and len(rows) == limit else None
+        return [self._info(r) for r in rows if _readable(r) and not _expired(r)], cursor
 
     def get(self, session_id: str, tenant: str) -> Session:
         """One session; :class:`SessionNotFound` if unknown, expired or another tenant's."""
@@ -182,7 +189,12 @@ class SessionControl:
         check_ttl(ttl_seconds)
         ttl = ttl_seconds if ttl_seconds is not None else self.default_ttl_s
         self.catch_up(tenant, session_id)
-        if not self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned):
+        self.quotas.check_new_session(self.registry, tenant)
+        if pinned:
+            self.quotas.check_pin(self.registry, tenant, session_id, None, time.time())
+        created = self.registry.create_session(tenant, session_id, ttl_seconds=ttl, pinned=pinned)
+        self.admission.forget(tenant)  # after the change: no count read before it stays
+        if not created:
             raise SessionExists(f"session {session_id!r} already exists")
         return self._info(self._row(session_id, tenant))
 
@@ -202,7 +214,11 @@ class SessionControl:
         ttl = None if isinstance(ttl_seconds, Unset) else check_ttl(ttl_seconds)
         lease = check_ttl(pin_ttl_seconds, field="pin_ttl_seconds")
         pinned = check_pin_update(pinned, lease)
+        self.quotas.check_lease(lease)
         self.catch_up(tenant, session_id)
+        if pinned:
+            self._row(session_id, tenant)  # 404 first
+            self.quotas.check_pin(self.registry, tenant, session_id, lease, time.time())
         if not self.registry.update_session(
             tenant, session_id, set_ttl=set_ttl, ttl_seconds=ttl, pinned=pinned, pin_ttl_s=lease
         ):
@@ -218,6 +234,7 @@ class SessionControl:
         check_session_id(session_id)
         self.catch_up(tenant, session_id)  # no late record of a served turn brings it back
         orphans = self.registry.delete_session(tenant, session_id)
+        self.admission.forget(tenant)
         if orphans is None:
             raise SessionNotFound(f"session {session_id!r} not found")
         return len(orphans)
@@ -245,7 +262,10 @@ class SessionControl:
             raise SessionExists(f"session {target_id!r} is the source itself")
         self.catch_up(tenant, source_id)
         self.catch_up(tenant, target_id)
+        if self.registry.get_session(tenant, target_id) is None:
+            self.quotas.check_new_session(self.registry, tenant)
         result = self.registry.copy_session(tenant, source_id, target_id, overwrite=overwrite)
+        self.admission.forget(tenant)
         if result == "no_source":
             raise SessionNotFound(f"session {source_id!r} not found")
         if result == "target_exists":
@@ -255,12 +275,15 @@ class SessionControl:
         return self._info(self._row(target_id, tenant))
 
     async def prefetch(
-        self, session_id: str, tenant: str, *, wait_s: float = PREFETCH_WAIT_S
+        self, session_id: str, tenant: str, *, wait_s: float | None = None
     ) -> dict[str, int]:
         """Move the session's blocks disk -> RAM in the engine now; return block counts (the
-        blocks in RAM when the copy finished, or after ``wait_s`` while the engine is busy:
-        the copy goes on). Registry calls run in a worker thread, never on the event loop."""
+        blocks in RAM when the copy finished, or after ``wait_s``, by default
+        :data:`PREFETCH_WAIT_S`, or :data:`PREFETCH_BUSY_WAIT_S` while generations run: the
+        copy goes on). Registry calls run in a worker thread, never on the event loop."""
         check_session_id(session_id)
+        if wait_s is None:
+            wait_s = PREFETCH_BUSY_WAIT_S if self.turns.generating() else PREFETCH_WAIT_S
         row = await asyncio.to_thread(self._prefetch_row, session_id, tenant)
         if row.num_blocks:
             op = asyncio.ensure_future(
@@ -274,20 +297,13 @@ class SessionControl:
     def _prefetch_row(self, session_id: str, tenant: str) -> SessionRow:
         self.catch_up(tenant, session_id)  # its first turn may be finishing right now
         row = self._row(session_id, tenant)
-        self.registry.mark_managed(tenant, session_id)
+        if row.managed or self.quotas.may_mark_managed(self.registry, tenant, session_id):
+            self.registry.mark_managed(tenant, session_id)
         return row
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples: this replica's engine counters (local), and the number of
-        sessions (of every replica with Redis; left out while Redis is unreachable)."""
-        stored = self.registry.stats()
-        out = {name: float(stored.get(name, 0.0)) for name in _COUNTERS}
-        out.update({k: v for k, v in stored.items() if k.startswith("lgkv_kv_compression_ratio")})
-        try:
-            out["lgkv_sessions"] = float(self.registry.count_sessions())
-        except RegistryUnavailable as exc:
-            log.warning("lgkv_sessions left out of /metrics: %s", exc)
-        return out
+        """Prometheus samples of the registry (:func:`.samples.registry_samples`)."""
+        return registry_samples(self.registry)
 
     def watch_drops(self) -> None:
         """With sessions in Redis: wake this replica's engine (a ``sync``) whenever any

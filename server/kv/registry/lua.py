@@ -9,9 +9,14 @@ and a delete and the drops it records land together. Layout under the prefix ``P
   ``created_at``, ``last_used_at``, ``pinned``, ``ttl`` (absent: none), ``gap_count``,
   ``gap_mean``, ``managed``, ``pin_until`` (absent: no lease));
   ``P b:<tenant>\\x1f<session>``: list of its block keys.
-- ``P t:<tenant>``: zset of the tenant's session ids by last use (listings);
-  ``P all``: set of every ``<tenant>\\x1f<session>``; ``P exp``: zset of them by expiry time;
+- ``P t:<tenant>``: zset of the tenant's session ids by last use (listings: newest first, ties
+  by id descending, its native reverse order; its size is the tenant's session count);
+  ``P all``: set of every ``<tenant>\\x1f<session>`` (its size is the session count, read
+  with SSCAN in chunks, never whole); ``P exp``: zset of them by expiry time;
   ``P pins``: zset of those pinned with a lease, by the time the lease lapses.
+- ``P pin:<tenant>``, ``P mgd:<tenant>``: sets of the tenant's pinned and managed session ids
+  (quotas read them; a superset, readers check each row; ``P layout`` >= 2 once a namespace
+  written by older versions has been indexed into them).
 - ``P refs``: hash block key -> number of sessions listing it (a delete frees the keys that
   reach 0).
 - ``P changes``: stream of ``t``/``s`` (tenant, session) of every session write;
@@ -31,6 +36,9 @@ local SEP = '\31'
 local function fmt(x) return string.format('%.17g', x) end
 local function skey(m) return P .. 's:' .. m end
 local function bkey(m) return P .. 'b:' .. m end
+local function flag(set, t, s, on) -- a tenant's pin / managed set
+  redis.call(on and 'SADD' or 'SREM', P .. set .. ':' .. t, s)
+end
 local function change(t, s)
   redis.call('XADD', P .. 'changes', 'MAXLEN', '~', KEPT, '*', 't', t, 's', s)
   redis.call('INCR', P .. 'ver')
@@ -74,6 +82,8 @@ local function delete(t, s)
   redis.call('DEL', skey(m), bkey(m))
   redis.call('ZREM', P .. 't:' .. t, s)
   redis.call('SREM', P .. 'all', m)
+  flag('pin', t, s, false)
+  flag('mgd', t, s, false)
   redis.call('ZREM', P .. 'exp', m)
   redis.call('ZREM', P .. 'pins', m)
   change(t, s)
@@ -83,6 +93,12 @@ local function drops(keys)
   if #keys > 0 then
     redis.call('XADD', P .. 'drops', 'MAXLEN', '~', KEPT, '*', 'keys', table.concat(keys, ' '))
     redis.call('INCR', P .. 'ver')
+  end
+end
+local function add_session(m)
+  -- The first session of a namespace: these scripts keep its pin/managed sets from the start.
+  if redis.call('SADD', P .. 'all', m) == 1 and redis.call('SCARD', P .. 'all') == 1 then
+    redis.call('SETNX', P .. 'layout', 2)
   end
 end
 local function expired(m, now)
@@ -102,8 +118,10 @@ if redis.call('EXISTS', skey(m)) == 1 then return 0 end
 redis.call('HSET', skey(m), 'num_tokens', 0, 'turns', 0, 'created_at', now,
   'last_used_at', now, 'pinned', ARGV[7], 'gap_count', 0, 'gap_mean', 0, 'managed', 1)
 if ttl ~= '' then redis.call('HSET', skey(m), 'ttl', ttl) end
-redis.call('SADD', P .. 'all', m)
+add_session(m)
 redis.call('ZADD', P .. 't:' .. t, now, s)
+flag('pin', t, s, ARGV[7] == '1')
+flag('mgd', t, s, true)
 set_expiry(m, now, ttl)
 change(t, s)
 return 1
@@ -114,11 +132,12 @@ UPDATE = (
     _COMMON
     + r"""
 -- ARGV: 3 tenant, 4 session, 5 set ttl (0/1), 6 ttl ('' none), 7 pinned ('' keep, 0/1),
--- 8 pin lease end ('' none: pinned until unpinned).
+-- 8 pin lease end ('' none: pinned until unpinned), 9 now. Returns 0 if unknown or expired.
 local t, s = ARGV[3], ARGV[4]
 local m = t .. SEP .. s
-if redis.call('EXISTS', skey(m)) == 0 then return 0 end
+if redis.call('EXISTS', skey(m)) == 0 or expired(m, ARGV[9]) then return 0 end
 redis.call('HSET', skey(m), 'managed', 1)
+flag('mgd', t, s, true)
 if ARGV[5] == '1' then
   if ARGV[6] == '' then redis.call('HDEL', skey(m), 'ttl')
   else redis.call('HSET', skey(m), 'ttl', ARGV[6]) end
@@ -126,6 +145,7 @@ if ARGV[5] == '1' then
 end
 if ARGV[7] ~= '' then
   redis.call('HSET', skey(m), 'pinned', ARGV[7])
+  flag('pin', t, s, ARGV[7] == '1')
   if ARGV[7] == '1' and ARGV[8] ~= '' then
     redis.call('HSET', skey(m), 'pin_until', ARGV[8])
     redis.call('ZADD', P .. 'pins', ARGV[8], m)
@@ -145,7 +165,10 @@ MARK_MANAGED = (
 -- ARGV: 3 tenant, 4 session.
 local t, s = ARGV[3], ARGV[4]
 local m = t .. SEP .. s
-if redis.call('EXISTS', skey(m)) == 1 then redis.call('HSET', skey(m), 'managed', 1) end
+if redis.call('EXISTS', skey(m)) == 1 then
+  redis.call('HSET', skey(m), 'managed', 1)
+  flag('mgd', t, s, true)
+end
 change(t, s)
 return 1
 """
@@ -160,13 +183,22 @@ local m = t .. SEP .. s
 local keys = {}
 for i = 8, #ARGV do keys[#keys + 1] = ARGV[i] end
 local row = redis.call('HMGET', skey(m), 'turns', 'last_used_at', 'gap_count', 'gap_mean', 'ttl')
+if row[1] and row[5] and tonumber(row[2]) + tonumber(row[5]) < tonumber(now) then
+  -- Expired, not purged yet: it starts over as a new session (its superseded blocks stay in
+  -- the tiers' LRU, as any turn's).
+  redis.call('DEL', skey(m))
+  redis.call('ZREM', P .. 'pins', m)
+  row = {false}
+end
 local ttl = row[5]
 if not row[1] then
   redis.call('HSET', skey(m), 'num_tokens', ARGV[6], 'turns', 1, 'created_at', now,
     'last_used_at', now, 'pinned', 0, 'gap_count', 0, 'gap_mean', 0, 'managed', 0)
   if dttl ~= '' then redis.call('HSET', skey(m), 'ttl', dttl) end
   ttl = dttl
-  redis.call('SADD', P .. 'all', m)
+  add_session(m)
+  flag('pin', t, s, false)
+  flag('mgd', t, s, false)
 else
   local turns, count, mean = tonumber(row[1]), tonumber(row[3]), tonumber(row[4])
   if turns > 0 then
@@ -205,9 +237,11 @@ COPY = (
     _COMMON
     + r"""
 -- ARGV: 3 tenant, 4 source, 5 target, 6 overwrite (0/1), 7 now. Returns a status word.
+-- An expired source is missing; an expired target is free (deleted, its freed keys dropped).
 local t, src, dst, now = ARGV[3], ARGV[4], ARGV[5], ARGV[7]
 local ms, md = t .. SEP .. src, t .. SEP .. dst
-if redis.call('EXISTS', skey(ms)) == 0 then return 'no_source' end
+if redis.call('EXISTS', skey(ms)) == 0 or expired(ms, now) then return 'no_source' end
+if redis.call('EXISTS', skey(md)) == 1 and expired(md, now) then drops(delete(t, dst)) end
 if redis.call('EXISTS', skey(md)) == 1 then
   if ARGV[6] ~= '1' then return 'target_exists' end
   delete(t, dst)  -- blocks the old target alone held stay in the tiers' LRU
@@ -219,7 +253,9 @@ if r[3] then redis.call('HSET', skey(md), 'ttl', r[3]) end
 local keys = redis.call('LRANGE', bkey(ms), 0, -1)
 push(md, keys)
 ref(keys)
-redis.call('SADD', P .. 'all', md)
+add_session(md)
+flag('pin', t, dst, false)
+flag('mgd', t, dst, true)
 redis.call('ZADD', P .. 't:' .. t, now, dst)
 set_expiry(md, now, r[3])
 change(t, dst)
@@ -230,26 +266,39 @@ return 'ok'
 PURGE = (
     _COMMON
     + r"""
--- ARGV: 3 now. Deletes every session whose last use + TTL < now; returns the freed keys.
--- Unpins every session whose pin lease ended before now.
+-- ARGV: 3 now, 4 limit. One bounded batch: deletes up to `limit` sessions whose last use +
+-- TTL < now (earliest first) and unpins up to `limit` whose pin lease ended before now.
+-- Returns {1 if more is due else 0, the freed keys...}; the caller runs batches until 0.
+local limit = tonumber(ARGV[4])
 local freed, seen = {}, {}
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'exp', '-inf', '(' .. ARGV[3])) do
+local function first(zset) -- up to limit + 1 members scored before now
+  return redis.call('ZRANGEBYSCORE', P .. zset, '-inf', '(' .. ARGV[3], 'LIMIT', 0, limit + 1)
+end
+local due = first('exp')
+local more = #due > limit
+for n, m in ipairs(due) do
+  if n > limit then break end
   local i = string.find(m, SEP, 1, true)
   for _, k in ipairs(delete(string.sub(m, 1, i - 1), string.sub(m, i + 1)) or {}) do
     if not seen[k] then seen[k] = true; freed[#freed + 1] = k end
   end
 end
 drops(freed)
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'pins', '-inf', '(' .. ARGV[3])) do
+local lapsed = first('pins')
+if #lapsed > limit then more = true; lapsed[#lapsed] = nil end
+for _, m in ipairs(lapsed) do
   redis.call('ZREM', P .. 'pins', m)  -- a lease that ran out: an ordinary session again
   if redis.call('EXISTS', skey(m)) == 1 then
     redis.call('HSET', skey(m), 'pinned', 0)
     redis.call('HDEL', skey(m), 'pin_until')
     local i = string.find(m, SEP, 1, true)
+    flag('pin', string.sub(m, 1, i - 1), string.sub(m, i + 1), false)
     change(string.sub(m, 1, i - 1), string.sub(m, i + 1))
   end
 end
-return freed
+local out = {more and 1 or 0}
+for _, k in ipairs(freed) do out[#out + 1] = k end
+return out
 """
 )
 

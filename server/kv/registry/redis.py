@@ -19,40 +19,35 @@ A Redis that is down, loading or timing out raises :class:`RegistryUnavailable` 
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from server.kv.registry import lua
-from server.kv.registry.api import RegistryUnavailable
+from server.kv.registry.api import RegistryUnavailable, join_snapshot, purge_in_batches
+from server.kv.registry.page import parse_session_cursor
+from server.kv.registry.redis_feeds import RedisFeeds
 from server.kv.registry.sql import DROPS_KEPT, SessionRow
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SEP = "\x1f"
 """Between tenant and session id in key names (never in a session id; see the contract)."""
-NO_ID = "0-0"
-"""The stream position before every entry."""
-
-
-def _stream_id(value: str | bytes) -> tuple[int, int]:
-    text = value.decode() if isinstance(value, bytes) else value
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _pos(seq: object) -> str:
-    """A stream position; 0 (where a SQLite feed starts) reads as the start."""
-    return NO_ID if str(seq) == "0" else str(seq)
+PURGE_BATCH = 100
+"""Most sessions one purge script deletes (and leases it lifts): Redis runs nothing else
+meanwhile, so a backlog of expired sessions goes in many short scripts, never one long one."""
+SNAPSHOT_CHUNK = 10_000
+"""About how many sessions one chunk of :meth:`RedisSessions.iter_policy_snapshot` holds."""
 
 
 def _num(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-class RedisSessions:
+def _expired(row: SessionRow, now: float) -> bool:
+    return row.expires_at is not None and row.expires_at < now
+
+
+class RedisSessions(RedisFeeds):
     """Sessions, block lists and the changes/drops streams of one namespace in Redis."""
 
     def __init__(self, url: str, namespace: str, *, timeout_s: float = 2.0) -> None:
@@ -63,6 +58,7 @@ class RedisSessions:
         self.url = url
         self.namespace = namespace
         self.prefix = f"lgkv:reg:{{{namespace}}}:"
+        self._flags_indexed = False
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
         )
@@ -138,41 +134,6 @@ class RedisSessions:
             num_blocks=num_blocks,
         )
 
-    def _last_id(self, stream: str) -> str:
-        got = self._call(lambda: self._client.xrevrange(self.prefix + stream, count=1))
-        return str(got[0][0]) if got else NO_ID
-
-    def _after(self, stream: str, seq: str) -> list[tuple[str, dict[str, str]]]:
-        out: list[tuple[str, dict[str, str]]] = []
-        start = f"({seq}"
-        while True:
-            batch = self._call(
-                lambda s=start: self._client.xrange(self.prefix + stream, min=s, count=10_000)
-            )
-            out.extend(batch)
-            if len(batch) < 10_000:
-                return out
-            start = f"({batch[-1][0]}"
-
-    def _trimmed_after(self, stream: str, seq: str) -> bool:
-        """True if entries newer than ``seq`` may have been trimmed away: the stream lost
-        entries (``entries-added`` > ``length``) and holds none at or before ``seq``. (When
-        it was trimmed exactly up to ``seq`` this says True too: a reload, never a gap.)"""
-
-        def info() -> dict[str, Any] | None:
-            try:
-                return dict(self._client.xinfo_stream(self.prefix + stream))
-            except Exception as exc:  # no stream yet: nothing was trimmed
-                if "no such key" in str(exc).lower():
-                    return None
-                raise
-
-        got = self._call(info)
-        if not got or int(got.get("entries-added", 0)) <= int(got.get("length", 0)):
-            return False
-        first = got.get("first-entry")
-        return first is None or _stream_id(first[0]) > _stream_id(seq)
-
     # ------------------------------------------------------------------ reads
 
     def ping(self) -> None:
@@ -188,19 +149,101 @@ class RedisSessions:
         ((h, n),) = self._rows([(tenant, session_id)], keys=False)
         return self._row(tenant, session_id, h, int(n)) if h else None
 
-    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
-        """A tenant's sessions, most recently used first (ties by id)."""
-        ids = self._call(
-            lambda: self._client.zrevrange(self.prefix + "t:" + tenant, offset, offset + limit - 1)
-        )
+    def list_sessions(
+        self, tenant: str, limit: int, offset: int = 0, *, after: str | None = None
+    ) -> list[SessionRow]:
+        """A tenant's sessions, most recently used first (ties by id, descending): ``limit``
+        of them after the row the cursor ``after`` names, skipping ``offset`` more. Rank
+        reads of the tenant's zset: O(log n) to find the page, whichever page."""
+        key = self.prefix + "t:" + tenant
+        if limit <= 0:
+            return []
+        if after is None:
+            ids = self._call(lambda: self._client.zrevrange(key, offset, offset + limit - 1))
+        else:
+            ids = self._page_after(key, parse_session_cursor(after), limit, offset)
         rows = self._rows([(tenant, sid) for sid in ids], keys=False)
         pairs = zip(ids, rows, strict=True)
-        out = [self._row(tenant, sid, h, int(n)) for sid, (h, n) in pairs if h]
-        return sorted(out, key=lambda r: (-r.last_used_at, r.id))
+        return [self._row(tenant, sid, h, int(n)) for sid, (h, n) in pairs if h]
 
-    def count_sessions(self) -> int:
-        """Sessions of every tenant in the namespace."""
-        return int(self._call(lambda: self._client.scard(self.prefix + "all")))
+    def _page_after(
+        self, key: str, cursor: tuple[float, str], limit: int, offset: int
+    ) -> list[str]:
+        """Ids after (last used at, id) in the zset's reverse order: from the rank of the
+        first entry not newer than it (ZCOUNT), past the ties at or before its id."""
+        last, sid = cursor
+        pos = int(self._call(lambda: self._client.zcount(key, f"({last!r}", "+inf")))
+        out: list[str] = []
+        skip = offset
+        while len(out) < limit:
+            want = limit - len(out) + skip + 16
+            got = self._call(
+                lambda p=pos, w=want: self._client.zrevrange(key, p, p + w - 1, withscores=True)
+            )
+            for member, score in got:
+                if score == last and member >= sid:
+                    continue  # at the cursor's time, not after its id: on an earlier page
+                if skip:
+                    skip -= 1
+                    continue
+                out.append(member)
+                if len(out) == limit:
+                    break
+            if len(got) < want:
+                break
+            pos += len(got)
+        return out
+
+    def count_sessions(self, tenant: str | None = None) -> int:
+        """Sessions of every tenant in the namespace, or of ``tenant`` (set sizes: O(1))."""
+        if tenant is None:
+            return int(self._call(lambda: self._client.scard(self.prefix + "all")))
+        return int(self._call(lambda: self._client.zcard(self.prefix + "t:" + tenant)))
+
+    def pinned_sessions(self, tenant: str, now: float) -> list[SessionRow]:
+        """The tenant's sessions pinned at ``now`` (a lapsed lease or an expired session is
+        not), from its pin set: O(its pins)."""
+        rows = self._flagged(tenant, "pin")
+        return [r for r in rows if r.pinned_at(now) and not _expired(r, now)]
+
+    def managed_sessions(self, tenant: str) -> list[SessionRow]:
+        """The tenant's managed sessions that have not expired: O(its managed sessions)."""
+        now = time.time()
+        return [r for r in self._flagged(tenant, "mgd") if r.managed and not _expired(r, now)]
+
+    def _flagged(self, tenant: str, flag: str) -> list[SessionRow]:
+        self._index_flags()
+        key = f"{self.prefix}{flag}:{tenant}"
+        ids = sorted(self._call(lambda: set(self._client.sscan_iter(key, count=1000))))
+        rows = self._rows([(tenant, sid) for sid in ids], keys=False)
+        return [
+            self._row(tenant, sid, h, int(n)) for sid, (h, n) in zip(ids, rows, strict=True) if h
+        ]
+
+    def _index_flags(self) -> None:
+        """Once per namespace written by older versions: put its pinned and managed sessions
+        into the per-tenant sets the scripts keep since (SSCAN in chunks; idempotent)."""
+        if self._flags_indexed:
+            return
+        if int(self._call(lambda: self._client.get(self.prefix + "layout")) or 0) < 2:
+            cursor: int = 0
+            while True:
+                cursor, members = self._call(
+                    lambda c=cursor: self._client.sscan(self.prefix + "all", c, count=1000)
+                )
+                pairs = [tuple(m.split(SEP, 1)) for m in members]
+                for (tenant, sid), (h, _) in zip(pairs, self._rows(pairs, keys=False), strict=True):
+                    for flag, field in (("pin", "pinned"), ("mgd", "managed")):
+                        if h.get(field) == "1":
+                            self._call(
+                                lambda f=flag, t=tenant, s=sid: self._client.sadd(
+                                    f"{self.prefix}{f}:{t}", s
+                                )
+                            )
+                if int(cursor) == 0:
+                    break
+            self._call(lambda: self._client.set(self.prefix + "layout", 2))
+        self._flags_indexed = True
 
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys in prefix order."""
@@ -215,63 +258,36 @@ class RedisSessions:
         return self._row(tenant, session_id, h, len(keys)), list(keys)
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
-        """Every session and every (tenant, session, key) reference."""
-        members = sorted(self._call(lambda: self._client.smembers(self.prefix + "all")))
-        pairs = [tuple(m.split(SEP, 1)) for m in members]
-        sessions: list[SessionRow] = []
-        refs: list[tuple[str, str, str]] = []
-        for (tenant, sid), (h, keys) in zip(pairs, self._rows(pairs, keys=True), strict=True):
-            if h:
-                sessions.append(self._row(tenant, sid, h, 0))
-                refs.extend((tenant, sid, k) for k in keys)
-        return sessions, refs
+        """Every session and every (tenant, session, key) reference (the chunks of
+        :meth:`iter_policy_snapshot`, joined)."""
+        return join_snapshot(self.iter_policy_snapshot())
 
-    def change_seq(self) -> str:
-        """The newest ``changes`` stream id."""
-        return self._last_id("changes")
-
-    def changes_after(self, seq: str) -> tuple[str, list[tuple[str, str]] | None]:
-        """Sessions written after ``seq``; None when the stream was trimmed past it."""
-        seq = _pos(seq)
-        entries = self._after("changes", seq)
-        if not entries:
-            return seq, []
-        newest = str(entries[-1][0])
-        if self._trimmed_after("changes", seq):
-            return newest, None
-        latest = {(f["t"], f["s"]): i for i, (_, f) in enumerate(entries)}
-        return newest, sorted(latest, key=latest.__getitem__)
-
-    def drops_after(self, seq: str) -> tuple[str, list[str]]:
-        """Freed keys after ``seq`` (a warning if some were trimmed before they were read)."""
-        seq = _pos(seq)
-        entries = self._after("drops", seq)
-        if entries and self._trimmed_after("drops", seq):
-            log.warning(
-                "session registry: drops after %s were trimmed before this engine read them; "
-                "their blocks leave its tiers by eviction",
-                seq,
+    def iter_policy_snapshot(
+        self, chunk: int = SNAPSHOT_CHUNK
+    ) -> Iterator[tuple[list[SessionRow], list[tuple[str, str, str]]]]:
+        """The policy snapshot in chunks of about ``chunk`` sessions (SSCAN of the session
+        set, each session's row and block list read in one transaction; a session SSCAN
+        returns twice is yielded once). Read :meth:`change_seq` before the first chunk: a
+        session written while the chunks stream is in :meth:`changes_after` that seq."""
+        seen: set[str] = set()
+        cursor: int = 0
+        while True:
+            cursor, members = self._call(
+                lambda c=cursor: self._client.sscan(self.prefix + "all", c, count=max(1, chunk))
             )
-        keys = [k for _, f in entries for k in f["keys"].split()]
-        return (str(entries[-1][0]) if entries else seq), keys
-
-    def last_drop_seq(self) -> str:
-        """The newest ``drops`` stream id."""
-        return self._last_id("drops")
-
-    def wait_drops(self, seq: str, block_ms: int = 1000) -> str:
-        """Block up to ``block_ms`` for drops after ``seq``; the newest drops id then (``seq``
-        when none came). Keep ``block_ms`` below the socket timeout."""
-
-        def read() -> Any:
-            return self._client.xread({self.prefix + "drops": seq}, count=1000, block=block_ms)
-
-        got = self._call(read)
-        return str(got[0][1][-1][0]) if got and got[0][1] else seq
-
-    def drop_position_valid(self, seq: str) -> bool:
-        """Whether reading drops after ``seq`` misses nothing (none trimmed past it)."""
-        return not self._trimmed_after("drops", _pos(seq))
+            fresh = sorted(m for m in members if m not in seen)
+            seen.update(fresh)
+            pairs = [tuple(m.split(SEP, 1)) for m in fresh]
+            sessions: list[SessionRow] = []
+            refs: list[tuple[str, str, str]] = []
+            for (tenant, sid), (h, keys) in zip(pairs, self._rows(pairs, keys=True), strict=True):
+                if h:
+                    sessions.append(self._row(tenant, sid, h, 0))
+                    refs.extend((tenant, sid, k) for k in keys)
+            if sessions:
+                yield sessions, refs
+            if int(cursor) == 0:
+                return
 
     # ------------------------------------------------------------------ writes
 
@@ -294,9 +310,10 @@ class RedisSessions:
         pin_ttl_s: float | None = None,
     ) -> bool:
         """Change TTL and/or pin (``pin_ttl_s``: a lease); False if unknown."""
+        now = time.time()
         pin = "" if pinned is None else int(pinned)
-        until = None if not pinned or pin_ttl_s is None else time.time() + pin_ttl_s
-        args = (int(set_ttl), _num(ttl_seconds), pin, _num(until))
+        until = None if not pinned or pin_ttl_s is None else now + pin_ttl_s
+        args = (int(set_ttl), _num(ttl_seconds), pin, _num(until), repr(now))
         return bool(self._run("UPDATE", tenant, session_id, *args))
 
     def record_turn(
@@ -329,15 +346,20 @@ class RedisSessions:
         return str(self._run("COPY", tenant, source, target, int(overwrite), repr(time.time())))
 
     def purge_expired(self, now: float | None = None) -> list[str]:
-        """Delete expired sessions (atomic: concurrent purges record each drop once)."""
-        when = repr(time.time() if now is None else float(now))
-        return sorted(str(k) for k in self._run("PURGE", when))
+        """Delete expired sessions and lift lapsed leases, in bounded scripts
+        (:meth:`purge_expired_batch`) until none is due; concurrent purges record each drop
+        once."""
+        now = time.time() if now is None else float(now)
+        return purge_in_batches(self.purge_expired_batch, now)
 
-    def add_drops(self, keys: Iterable[str]) -> None:
-        """Record freed block keys for every replica."""
-        keys = list(keys)
-        if keys:
-            self._run("ADD_DROPS", *keys)
+    def purge_expired_batch(
+        self, now: float | None = None, *, limit: int = PURGE_BATCH
+    ) -> tuple[list[str], bool]:
+        """One purge script: up to ``limit`` expired sessions and lapsed leases; (freed keys,
+        whether more is due). Nothing due: two sorted-set range reads."""
+        when = repr(time.time() if now is None else float(now))
+        got = self._run("PURGE", when, max(1, int(limit)))
+        return sorted(str(k) for k in got[1:]), bool(int(got[0]))
 
     def clear(self) -> int:
         """Delete every key of the namespace (tests and tools); how many."""

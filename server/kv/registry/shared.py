@@ -11,11 +11,11 @@ process do not care which one they hold.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from server.kv.registry.api import EngineRegistry
-from server.kv.registry.redis import RedisSessions
+from server.kv.registry.redis import PURGE_BATCH, SNAPSHOT_CHUNK, RedisSessions
 from server.kv.registry.sql import SessionRow, TierCount
 from server.kv.registry.sqlite import Registry
 
@@ -104,13 +104,15 @@ class SharedRegistry:
         """The session, from Redis."""
         return self.sessions.get_session(tenant, session_id)
 
-    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
-        """A tenant's sessions, from Redis."""
-        return self.sessions.list_sessions(tenant, limit, offset)
+    def list_sessions(
+        self, tenant: str, limit: int, offset: int = 0, *, after: str | None = None
+    ) -> list[SessionRow]:
+        """A tenant's sessions, from Redis (a page after the cursor ``after``)."""
+        return self.sessions.list_sessions(tenant, limit, offset, after=after)
 
-    def count_sessions(self) -> int:
-        """Sessions in the namespace."""
-        return self.sessions.count_sessions()
+    def count_sessions(self, tenant: str | None = None) -> int:
+        """Sessions in the namespace, or of ``tenant``."""
+        return self.sessions.count_sessions(tenant)
 
     def create_session(
         self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
@@ -159,6 +161,14 @@ class SharedRegistry:
         """Mark the session managed in Redis."""
         self.sessions.mark_managed(tenant, session_id)
 
+    def pinned_sessions(self, tenant: str, now: float) -> list[SessionRow]:
+        """The tenant's sessions pinned at ``now``, from Redis."""
+        return self.sessions.pinned_sessions(tenant, now)
+
+    def managed_sessions(self, tenant: str) -> list[SessionRow]:
+        """The tenant's managed, unexpired sessions, from Redis."""
+        return self.sessions.managed_sessions(tenant)
+
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys, from Redis."""
         return self.sessions.session_keys(tenant, session_id)
@@ -175,9 +185,21 @@ class SharedRegistry:
         """Purge expired sessions in Redis (any replica may; each drop is recorded once)."""
         return self.sessions.purge_expired(now)
 
+    def purge_expired_batch(
+        self, now: float | None = None, *, limit: int = PURGE_BATCH
+    ) -> tuple[list[str], bool]:
+        """One bounded purge script in Redis: (freed keys, whether more is due)."""
+        return self.sessions.purge_expired_batch(now, limit=limit)
+
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
         """Every session of the namespace."""
         return self.sessions.policy_snapshot()
+
+    def iter_policy_snapshot(
+        self, chunk: int = SNAPSHOT_CHUNK
+    ) -> Iterator[tuple[list[SessionRow], list[tuple[str, str, str]]]]:
+        """Every session of the namespace, in chunks."""
+        return self.sessions.iter_policy_snapshot(chunk)
 
     def session_state(self, tenant: str, session_id: str) -> tuple[SessionRow | None, list[str]]:
         """Row and keys, from Redis."""

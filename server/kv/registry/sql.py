@@ -1,7 +1,8 @@
 """The session registry's SQLite schema, its row types and the SQL shared by its writers.
 
 :class:`server.kv.registry.Registry` is the interface; this module holds what its methods share:
-the tables (:func:`migrate`, append-only column additions for older files), the row dataclasses,
+the tables (:func:`migrate`, append-only column additions for older files, then the versioned
+steps of :mod:`server.kv.registry.migrations`), the row dataclasses,
 and the helpers that run inside a writer's transaction (:func:`delete_rows`,
 :func:`record_drops`), so a delete and the drops the engine reads commit together.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from server.kv.registry.migrations import run_steps
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -91,7 +94,8 @@ class TierCount:
 
 
 def migrate(db: sqlite3.Connection) -> None:
-    """Create the tables, and add the columns older registry files lack."""
+    """Create the tables, add the columns older registry files lack, then run the schema
+    steps the file has not run (:mod:`server.kv.registry.migrations`)."""
     for stmt in SCHEMA.strip().split(";"):
         if stmt.strip():
             db.execute(stmt)
@@ -103,6 +107,7 @@ def migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE sessions ADD COLUMN managed INTEGER NOT NULL DEFAULT 0")
     if "pin_until" not in cols:  # registries from before pin leases
         db.execute("ALTER TABLE sessions ADD COLUMN pin_until REAL")
+    run_steps(db)  # the versioned steps after this base schema
 
 
 def record_drops(db: sqlite3.Connection, keys: Iterable[str]) -> None:
@@ -162,3 +167,34 @@ def delete_rows(db: sqlite3.Connection, tenant: str, session_id: str) -> list[st
         for k in keys
         if db.execute("SELECT 1 FROM session_blocks WHERE key = ? LIMIT 1", (k,)).fetchone() is None
     ]
+
+
+def live(db: sqlite3.Connection, tenant: str, session_id: str, now: float) -> bool:
+    """Whether the session exists and has not expired by ``now``: an expired row that the
+    engine has not purged yet is missing for every writer."""
+    row = db.execute(
+        "SELECT ttl_seconds, last_used_at FROM sessions WHERE tenant = ? AND id = ?",
+        (tenant, session_id),
+    ).fetchone()
+    return row is not None and (row[0] is None or row[1] + row[0] >= now)
+
+
+def snapshot_chunk(
+    db: sqlite3.Connection, after: tuple[str, str] | None, chunk: int
+) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
+    """Up to ``chunk`` sessions after (tenant, id) ``after`` in key order, and their
+    (tenant, session id, key) references in block order: two primary-key range reads."""
+    where = "" if after is None else "WHERE (tenant, id) > (?, ?) "
+    rows = db.execute(
+        f"SELECT {SESSION_COLS} FROM sessions {where}ORDER BY tenant, id LIMIT ?",
+        (*(after or ()), chunk),
+    ).fetchall()
+    if not rows:
+        return [], []
+    refs = db.execute(
+        "SELECT tenant, session_id, key FROM session_blocks "
+        "WHERE (tenant, session_id) >= (?, ?) AND (tenant, session_id) <= (?, ?) "
+        "ORDER BY tenant, session_id, idx",
+        (rows[0][0], rows[0][1], rows[-1][0], rows[-1][1]),
+    ).fetchall()
+    return [row_from((*r, 0)) for r in rows], [(t, s, k) for t, s, k in refs]

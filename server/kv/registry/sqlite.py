@@ -32,28 +32,38 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from server.kv.registry import expiry
+from server.kv.registry.api import join_snapshot, purge_in_batches
+from server.kv.registry.feeds import FeedTables
+from server.kv.registry.file_mode import private_file
 from server.kv.registry.local import LocalTables
+from server.kv.registry.migrations import TENANT, TOTAL
+from server.kv.registry.page import parse_session_cursor
 from server.kv.registry.sql import (
-    DROPS_KEPT,
     SESSION_COLS,
     SessionRow,
     TierCount,
     delete_rows,
+    live,
     migrate,
     record_change,
     record_drops,
     row_from,
+    snapshot_chunk,
 )
 
 __all__ = ["Registry", "SessionRow", "TierCount"]
 
+SNAPSHOT_CHUNK = 10_000
+"""Sessions per chunk of :meth:`Registry.iter_policy_snapshot`."""
 
-class Registry(LocalTables):
+
+class Registry(FeedTables, LocalTables):
     """Typed access to the registry file; safe for several threads and several processes."""
 
     def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(self.path)  # every tenant's sessions: 0600 in a folder it makes 0700
         self._lock = threading.RLock()
         self._db = sqlite3.connect(
             str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
@@ -94,7 +104,8 @@ class Registry(LocalTables):
     # ----------------------------------------------------------------- sessions
 
     def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
-        """The session, or None if unknown (expired sessions are purged by the caller)."""
+        """The session, or None if unknown (an expired one is returned as stored: readers
+        check :attr:`SessionRow.expires_at`; the engine purges it)."""
         rows = self._read(
             f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
             "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
@@ -103,19 +114,30 @@ class Registry(LocalTables):
         )
         return row_from(rows[0]) if rows else None
 
-    def list_sessions(self, tenant: str, limit: int, offset: int) -> list[SessionRow]:
-        """A tenant's sessions, most recently used first."""
+    def list_sessions(
+        self, tenant: str, limit: int, offset: int = 0, *, after: str | None = None
+    ) -> list[SessionRow]:
+        """A tenant's sessions, newest use first (ties by id, descending): see
+        :meth:`server.kv.registry.api.SessionStore.list_sessions`. An index range read."""
+        where, args = "tenant = ?", [tenant]
+        if after is not None:
+            last_used_at, session_id = parse_session_cursor(after)
+            where += " AND last_used_at <= ? AND (last_used_at < ? OR id < ?)"
+            args += [last_used_at, last_used_at, session_id]
         rows = self._read(
             f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
-            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s WHERE tenant = ? "
-            "ORDER BY last_used_at DESC, id LIMIT ? OFFSET ?",
-            (tenant, limit, offset),
+            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
+            f"INDEXED BY sessions_recent WHERE {where} "
+            "ORDER BY last_used_at DESC, id DESC LIMIT ? OFFSET ?",
+            [*args, limit, offset],
         )
         return [row_from(r) for r in rows]
 
-    def count_sessions(self) -> int:
-        """Number of sessions of all tenants."""
-        return int(self._read("SELECT count(*) FROM sessions")[0][0])
+    def count_sessions(self, tenant: str | None = None) -> int:
+        """Number of sessions of all tenants, or of ``tenant`` (kept counts: no scan)."""
+        name = TOTAL if tenant is None else TENANT + tenant
+        rows = self._read("SELECT value FROM counters WHERE name = ?", (name,))
+        return int(rows[0][0]) if rows else 0
 
     def create_session(
         self, tenant: str, session_id: str, *, ttl_seconds: float | None, pinned: bool
@@ -151,12 +173,10 @@ class Registry(LocalTables):
     ) -> bool:
         """Change TTL (when ``set_ttl``) and/or pin (``pin_ttl_s``: pinned for that long, then
         an ordinary session again); False if the session is unknown."""
-        pin_until = None if not pinned or pin_ttl_s is None else time.time() + pin_ttl_s
+        now = time.time()
+        pin_until = None if not pinned or pin_ttl_s is None else now + pin_ttl_s
         with self._write() as db:
-            found = db.execute(
-                "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, session_id)
-            ).fetchone()
-            if found is None:
+            if not live(db, tenant, session_id, now):  # an expired one is gone already
                 return False
             db.execute(
                 "UPDATE sessions SET managed = 1 WHERE tenant = ? AND id = ?", (tenant, session_id)
@@ -184,11 +204,12 @@ class Registry(LocalTables):
         default_ttl_s: float | None,
         now: float | None = None,
     ) -> None:
-        """Record a finished request of a session: its block list, tokens, turn and gap."""
+        """Record a finished request of a session: its block list, tokens, turn and gap. A
+        session that expired before ``now`` (not purged yet) starts over as a new one."""
         now = time.time() if now is None else now
         with self._write() as db:
             row = db.execute(
-                "SELECT turns, last_used_at, gap_count, gap_mean FROM sessions "
+                "SELECT turns, last_used_at, gap_count, gap_mean, ttl_seconds FROM sessions "
                 "WHERE tenant = ? AND id = ?",
                 (tenant, session_id),
             ).fetchone()
@@ -198,8 +219,16 @@ class Registry(LocalTables):
                     "last_used_at, ttl_seconds) VALUES (?, ?, ?, 1, ?, ?, ?)",
                     (tenant, session_id, num_tokens, now, now, default_ttl_s),
                 )
+            elif row[4] is not None and row[1] + row[4] < now:
+                # Its superseded blocks stay in the tiers' LRU, as any turn's.
+                db.execute(
+                    "UPDATE sessions SET num_tokens = ?, turns = 1, created_at = ?, "
+                    "last_used_at = ?, pinned = 0, ttl_seconds = ?, gap_count = 0, "
+                    "gap_mean = 0, managed = 0, pin_until = NULL WHERE tenant = ? AND id = ?",
+                    (num_tokens, now, now, default_ttl_s, tenant, session_id),
+                )
             else:
-                turns, last_used, gap_count, gap_mean = row
+                turns, last_used, gap_count, gap_mean, _ttl = row
                 if turns > 0:
                     gap = max(0.0, now - last_used)
                     gap_count += 1
@@ -227,6 +256,31 @@ class Registry(LocalTables):
             )
             record_change(db, tenant, session_id)
 
+    def pinned_sessions(self, tenant: str, now: float) -> list[SessionRow]:
+        """The tenant's sessions pinned at ``now`` (a lapsed lease or an expired session is
+        not): a partial index read, O(its pins), with each one's block count."""
+        rows = self._read(
+            f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
+            "WHERE tenant = ? AND pinned = 1 "
+            "AND (pin_until IS NULL OR pin_until > ?) "
+            "AND (ttl_seconds IS NULL OR last_used_at + ttl_seconds >= ?)",
+            (tenant, now, now),
+        )
+        return [row_from(r) for r in rows]
+
+    def managed_sessions(self, tenant: str) -> list[SessionRow]:
+        """The tenant's managed sessions that have not expired: a partial index read,
+        O(its managed sessions)."""
+        rows = self._read(
+            f"SELECT {SESSION_COLS}, (SELECT count(*) FROM session_blocks b WHERE "
+            "b.tenant = s.tenant AND b.session_id = s.id) FROM sessions s "
+            "WHERE tenant = ? AND managed = 1 "
+            "AND (ttl_seconds IS NULL OR last_used_at + ttl_seconds >= ?)",
+            (tenant, time.time()),
+        )
+        return [row_from(r) for r in rows]
+
     def session_keys(self, tenant: str, session_id: str) -> list[str]:
         """The session's block keys in prefix order."""
         rows = self._read(
@@ -244,19 +298,24 @@ class Registry(LocalTables):
             return orphans
 
     def copy_session(self, tenant: str, source: str, target: str, *, overwrite: bool) -> str:
-        """Fork ``source`` into ``target``. Returns "ok", "no_source" or "target_exists"."""
+        """Fork ``source`` into ``target``. Returns "ok", "no_source" or "target_exists". An
+        expired source is missing; an expired target is free (deleted, its blocks dropped)."""
         now = time.time()
         with self._write() as db:
+            if not live(db, tenant, source, now):
+                return "no_source"
             src = db.execute(
                 "SELECT num_tokens, turns, pinned, ttl_seconds, gap_count, gap_mean "
                 "FROM sessions WHERE tenant = ? AND id = ?",
                 (tenant, source),
             ).fetchone()
-            if src is None:
-                return "no_source"
             exists = db.execute(
-                "SELECT 1 FROM sessions WHERE tenant = ? AND id = ?", (tenant, target)
+                "SELECT ttl_seconds, last_used_at FROM sessions WHERE tenant = ? AND id = ?",
+                (tenant, target),
             ).fetchone()
+            if exists is not None and exists[0] is not None and exists[1] + exists[0] < now:
+                record_drops(db, delete_rows(db, tenant, target) or [])
+                exists = None
             if exists is not None and not overwrite:
                 return "target_exists"
             if exists is not None:
@@ -278,64 +337,51 @@ class Registry(LocalTables):
             return "ok"
 
     def purge_expired(self, now: float | None = None) -> list[str]:
-        """Delete every expired session and unpin every session whose pin lease lapsed; return
-        the keys no remaining session references."""
+        """Delete every session expired before ``now`` and unpin every session whose pin
+        lease lapsed; return the keys no remaining session references. Runs as bounded
+        batches (:meth:`purge_expired_batch`), each its own short transaction; with nothing
+        due it reads three index entries and takes no write lock."""
         now = time.time() if now is None else now
-        with self._write() as db:
-            expired = db.execute(
-                "SELECT tenant, id FROM sessions WHERE ttl_seconds IS NOT NULL "
-                "AND last_used_at + ttl_seconds < ?",
-                (now,),
-            ).fetchall()
-            orphans: list[str] = []
-            for tenant, sid in expired:
-                orphans.extend(delete_rows(db, tenant, sid) or [])
-            record_drops(db, sorted(set(orphans)))
-            lapsed = db.execute(
-                "SELECT tenant, id FROM sessions WHERE pin_until IS NOT NULL AND pin_until < ?",
-                (now,),
-            ).fetchall()
-            for tenant, sid in lapsed:  # leases that ran out: ordinary sessions again
-                db.execute(
-                    "UPDATE sessions SET pinned = 0, pin_until = NULL WHERE tenant = ? AND id = ?",
-                    (tenant, sid),
-                )
-                record_change(db, tenant, sid)
-            # Bounded history of drops: engines read them within seconds of their writing.
-            for table in ("drops", "changes"):
-                db.execute(
-                    f"DELETE FROM {table} WHERE seq <= (SELECT max(seq) FROM {table}) - ?",
-                    (DROPS_KEPT,),
-                )
-            return sorted(set(orphans))
+        return purge_in_batches(self.purge_expired_batch, now)
+
+    def purge_expired_batch(
+        self, now: float | None = None, *, limit: int = expiry.PURGE_BATCH
+    ) -> tuple[list[str], bool]:
+        """One bounded step of :meth:`purge_expired` (:func:`expiry.purge_batch`): (freed
+        keys, whether more is due)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if not expiry.due(self._db, now):
+                return [], False
+            with self._write() as db:
+                return expiry.purge_batch(db, now, limit=limit)
 
     def policy_snapshot(self) -> tuple[list[SessionRow], list[tuple[str, str, str]]]:
-        """All sessions and all (tenant, session id, key) references, for the eviction policy."""
-        sessions = [row_from((*r, 0)) for r in self._read(f"SELECT {SESSION_COLS} FROM sessions")]
-        refs = self._read(
-            "SELECT tenant, session_id, key FROM session_blocks ORDER BY tenant, session_id, idx"
-        )
-        return sessions, [(t, s, k) for t, s, k in refs]
+        """All sessions and all (tenant, session id, key) references, for the eviction policy
+        (the chunks of :meth:`iter_policy_snapshot`, joined)."""
+        return join_snapshot(self.iter_policy_snapshot())
 
-    def change_seq(self) -> int:
-        """The newest ``changes`` sequence number (0 when none)."""
-        return int(self._read("SELECT coalesce(max(seq), 0) FROM changes")[0][0])
-
-    def changes_after(self, seq: int) -> tuple[int, list[tuple[str, str]] | None]:
-        """Sessions written after ``seq``: (the newest seq, distinct (tenant, id) in order of
-        their last change). None instead of the list when rows after ``seq`` were trimmed
-        already (the caller reloads :meth:`policy_snapshot`)."""
-        with self._lock:
-            oldest = self._db.execute("SELECT min(seq) FROM changes").fetchone()[0]
-            rows = self._db.execute(
-                "SELECT seq, tenant, session_id FROM changes WHERE seq > ? ORDER BY seq", (seq,)
-            ).fetchall()
-        if not rows:
-            return seq, []
-        if oldest is not None and oldest > seq + 1:
-            return rows[-1][0], None
-        latest = {(t, s): q for q, t, s in rows}
-        return rows[-1][0], sorted(latest, key=latest.__getitem__)
+    def iter_policy_snapshot(
+        self, chunk: int = SNAPSHOT_CHUNK
+    ) -> Iterator[tuple[list[SessionRow], list[tuple[str, str, str]]]]:
+        """The policy snapshot in chunks of up to ``chunk`` sessions (by tenant and id), each
+        with its sessions' (tenant, session id, key) references in block order, each chunk
+        read in one short read transaction. Read :meth:`change_seq` before the first chunk:
+        a session written while the chunks stream is in :meth:`changes_after` that seq."""
+        chunk = max(1, int(chunk))
+        after: tuple[str, str] | None = None
+        while True:
+            with self._lock:
+                self._db.execute("BEGIN")
+                try:
+                    sessions, refs = snapshot_chunk(self._db, after, chunk)
+                finally:
+                    self._db.execute("COMMIT")
+            if sessions:
+                yield sessions, refs
+            if len(sessions) < chunk:
+                return
+            after = (sessions[-1].tenant, sessions[-1].id)
 
     def session_state(self, tenant: str, session_id: str) -> tuple[SessionRow | None, list[str]]:
         """A session's row and block keys, read together (None, []: it is gone)."""
@@ -349,27 +395,3 @@ class Registry(LocalTables):
     def tier_usage(self, tenant: str, session_id: str) -> dict[str, TierCount]:
         """Blocks and bytes of a session's distinct blocks per tier ("ram", "disk", "redis")."""
         return self.block_usage(self.session_keys(tenant, session_id))
-
-    # -------------------------------------------------------------------- drops
-
-    def add_drops(self, keys: Iterable[str]) -> None:
-        """Record freed block keys for the engine (which drops them in every tier)."""
-        with self._write() as db:
-            record_drops(db, keys)
-
-    def drops_after(self, seq: int) -> tuple[int, list[str]]:
-        """Drops newer than ``seq``: (the newest seq, their keys)."""
-        rows = self._read("SELECT seq, key FROM drops WHERE seq > ? ORDER BY seq", (seq,))
-        return (rows[-1][0] if rows else seq), [r[1] for r in rows]
-
-    def last_drop_seq(self) -> int:
-        """The newest drop sequence number (0 when none)."""
-        return int(self._read("SELECT coalesce(max(seq), 0) FROM drops")[0][0])
-
-    def resume_drops(self) -> int:
-        """A starting engine reads drops recorded from now on (the API process that records
-        them runs beside it, and stops with it)."""
-        return self.last_drop_seq()
-
-    def drops_read(self, seq: int) -> None:
-        """Nothing to save: :meth:`resume_drops` starts at the newest drop."""

@@ -79,6 +79,10 @@ class TurnWatch:
                 latest = max(started, known.started) if known else started
                 self._pending[key] = _Pending(latest, time.monotonic() + self.wait_s)
 
+    def generating(self) -> bool:
+        """Whether a generation of a named session runs now (the engine is busy)."""
+        return bool(self._running)
+
     def pending(self, tenant: str, session_id: str | None = None) -> list[SessionKey]:
         """Sessions (of ``tenant``, or just ``session_id``) with a turn not yet seen."""
         with self._lock:

@@ -11,45 +11,102 @@ removals in FIFO order, so a read planned later finds the bytes (or fails cleanl
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from contextlib import closing
 
 from server.kv.metadata import NO_SLOT, WorkerReport
+from server.kv.scheduler.eviction_order import EvictionOrder
 from server.kv.scheduler.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class BlockState:
-    """Where one block is."""
+    """Where one block is. Setting ``slot`` keeps the index's slot map in step."""
 
-    key: str
-    slot: int = NO_SLOT
-    """RAM slot holding (or about to hold) the block."""
-    ram_ready: bool = False
-    """The slot's bytes are valid (the worker confirmed the copy)."""
-    on_disk: bool = False
-    """A file is written or queued for writing."""
-    disk_confirmed: bool = False
-    """The worker confirmed the file."""
-    locks: int = 0
-    """Loads and reads in flight that use the slot."""
-    last_access: float = 0.0
-    """Unix time of the last save, hit or prefetch."""
-    dropped: bool = False
-    """Deleted while locked: freed when the last lock goes."""
+    __slots__ = (
+        "_index",
+        "_slot",
+        "counted",
+        "disk_confirmed",
+        "dropped",
+        "key",
+        "last_access",
+        "locks",
+        "on_disk",
+        "ram_ready",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        slot: int = NO_SLOT,
+        ram_ready: bool = False,
+        on_disk: bool = False,
+        disk_confirmed: bool = False,
+        locks: int = 0,
+        last_access: float = 0.0,
+        dropped: bool = False,
+    ) -> None:
+        self.key = key
+        self._index: BlockIndex | None = None
+        self._slot = slot
+        self.ram_ready = ram_ready
+        """The slot's bytes are valid (the worker confirmed the copy)."""
+        self.on_disk = on_disk
+        """A file is written or queued for writing."""
+        self.disk_confirmed = disk_confirmed
+        """The worker confirmed the file."""
+        self.locks = locks
+        """Loads and reads in flight that use the slot."""
+        self.last_access = last_access
+        """Unix time of the last save, hit or prefetch."""
+        self.dropped = dropped
+        """Deleted while locked: freed when the last lock goes."""
+        self.counted = (False, False)
+        """(write unconfirmed, file confirmed) as the index's counters count it."""
+
+    @property
+    def slot(self) -> int:
+        """RAM slot holding (or about to hold) the block."""
+        return self._slot
+
+    @slot.setter
+    def slot(self, slot: int) -> None:
+        old, self._slot = self._slot, slot
+        if self._index is not None and old != slot:
+            self._index.slot_moved(self, old)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockState({self.key!r}, slot={self._slot}, ram_ready={self.ram_ready}, "
+            f"on_disk={self.on_disk}, disk_confirmed={self.disk_confirmed}, locks={self.locks}, "
+            f"last_access={self.last_access}, dropped={self.dropped})"
+        )
 
 
 class BlockIndex:
-    """Blocks by key, RAM slot allocation and disk budget, with policy-driven eviction."""
+    """Blocks by key, RAM slot allocation and disk budget, with policy-driven eviction.
+
+    Every query and change costs O(log n) in the blocks held at most (docs/scale.md): the
+    tiers' eviction candidates live in :class:`EvictionOrder`s, slots map to their blocks,
+    and unconfirmed writes and confirmed files are counted as states change.
+    """
 
     def __init__(
-        self, *, num_slots: int, file_bytes: int, disk_bytes: int, policy: EvictionPolicy
+        self,
+        *,
+        num_slots: int,
+        file_bytes: int,
+        disk_bytes: int,
+        policy: EvictionPolicy,
+        pin_share: float | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.file_bytes = file_bytes
-        self.disk_bytes = disk_bytes
+        self.pin_share = pin_share
+        """Share of each tier's blocks that may rank as pinned (``--kv-pin-share``; None: all)."""
+        self._disk_bytes = disk_bytes
         self.policy = policy
         self.blocks: dict[str, BlockState] = {}
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
@@ -59,6 +116,35 @@ class BlockIndex:
         self.dirty: set[str] = set()
         """Keys whose tiers changed since the last publish to the registry."""
         self.evicted = {"ram": 0, "disk": 0}
+        self.ram_order = EvictionOrder(policy, self._pin_limit(), capacity=num_slots)
+        """Blocks RAM may give up: ready, unlocked."""
+        disk_blocks = disk_bytes // file_bytes if file_bytes else 1
+        self.disk_order = EvictionOrder(policy, self._pin_limit(disk_bytes), capacity=disk_blocks)
+        """Blocks the disk may give up: on disk (or queued), not dropped."""
+        self.unconfirmed_writes = 0
+        """Blocks whose file is queued and not confirmed yet."""
+        self.confirmed_files = 0
+        """Blocks whose file the worker confirmed."""
+        self._slot_owner: dict[int, BlockState] = {}
+        policy.listener = self._outlook_changed
+
+    @property
+    def disk_bytes(self) -> int:
+        """The disk tier's budget (shrunk when the file system fills up)."""
+        return self._disk_bytes
+
+    @disk_bytes.setter
+    def disk_bytes(self, value: int) -> None:
+        self._disk_bytes = value
+        if self.pin_share is not None:
+            self.disk_order.set_pin_limit(self._pin_limit(value) or 0)
+
+    def _pin_limit(self, disk_bytes: int | None = None) -> int | None:
+        """Blocks of a tier that may rank as pinned: RAM's, or the disk's of ``disk_bytes``."""
+        if self.pin_share is None:
+            return None
+        blocks = self.num_slots if disk_bytes is None else disk_bytes // (self.file_bytes or 1)
+        return int(blocks * self.pin_share)
 
     # ------------------------------------------------------------------ queries
 
@@ -98,21 +184,31 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ changes
 
+    def ensure(self, key: str) -> BlockState:
+        """The block's state, created (in no tier yet) if it is new."""
+        state = self.blocks.get(key)
+        if state is None:
+            state = self.blocks[key] = BlockState(key)
+            state._index = self
+        return state
+
     def add_disk_file(self, key: str) -> bool:
         """Register a file found at start; False if the budget is full."""
         if self.disk_used + self.file_bytes > self.disk_bytes:
             return False
-        state = self.blocks.setdefault(key, BlockState(key, last_access=0.0))
+        state = self.ensure(key)
         state.on_disk = state.disk_confirmed = True
         self.disk_used += self.file_bytes
         self.dirty.add(key)
+        self._sync(state)
         return True
 
     def touch(self, key: str) -> None:
         """Mark a block used now."""
         state = self.blocks.get(key)
         if state is not None:
-            state.last_access = time.time()
+            state.last_access = self.policy.clock()
+            self._sync(state)
 
     def alloc_slots(self, count: int, protect: set[str]) -> list[int]:
         """Up to ``count`` free slots, evicting the policy's first victims if needed."""
@@ -121,20 +217,16 @@ class BlockIndex:
             got.append(self.free_slots.pop())
         if len(got) == count:
             return got
-        candidates = [
-            (s.key, s.last_access)
-            for s in self.blocks.values()
-            if s.slot != NO_SLOT and s.ram_ready and s.locks == 0 and s.key not in protect
-        ]
-        for key in self.policy.order(candidates, allow_pinned=True):
-            if len(got) == count:
-                break
-            state = self.blocks[key]
-            if self.policy.is_pinned(key) and not state.on_disk:
-                continue  # a pinned block leaves RAM only if the disk keeps it
-            got.append(state.slot)
-            self._leave_ram(state, free=False)
-            self.evicted["ram"] += 1
+        now = self.policy.clock()
+        victims = self.ram_order.victims(now, protect, allow_pinned=True, valid=self._in_ram)
+        with closing(victims):
+            for key in victims:
+                state = self.blocks[key]
+                got.append(state.slot)
+                self._leave_ram(state, free=False)
+                self.evicted["ram"] += 1
+                if len(got) == count:
+                    break
         return got
 
     def reserve_disk(self, protect: set[str]) -> bool:
@@ -144,29 +236,27 @@ class BlockIndex:
         if self.disk_used + self.file_bytes <= self.disk_bytes:
             self.disk_used += self.file_bytes
             return True
-        candidates = [
-            (s.key, s.last_access)
-            for s in self.blocks.values()
-            if s.on_disk and not s.dropped and s.key not in protect
-        ]
-        for key in self.policy.order(candidates, allow_pinned=False):
-            self._leave_disk(self.blocks[key])
-            self.evicted["disk"] += 1
-            if self.disk_used + self.file_bytes <= self.disk_bytes:
-                self.disk_used += self.file_bytes
-                return True
+        victims = self.disk_order.victims(self.policy.clock(), protect, allow_pinned=False)
+        with closing(victims):
+            for key in victims:
+                self._leave_disk(self.blocks[key])
+                self.evicted["disk"] += 1
+                if self.disk_used + self.file_bytes <= self.disk_bytes:
+                    self.disk_used += self.file_bytes
+                    return True
         return False
 
     def new_block(self, key: str, slot: int, to_disk: bool) -> BlockState:
         """A block being saved into ``slot`` (and to disk when ``to_disk``, space reserved)."""
-        state = self.blocks.setdefault(key, BlockState(key))
+        state = self.ensure(key)
         state.slot, state.ram_ready, state.dropped = slot, False, False
         if to_disk and not state.on_disk:
             state.on_disk, state.disk_confirmed = True, False
         elif to_disk:
             self.disk_used -= self.file_bytes  # already counted
-        state.last_access = time.time()
+        state.last_access = self.policy.clock()
         self.dirty.add(key)
+        self._sync(state)
         return state
 
     def drop(self, key: str, *, remove_file: bool = True) -> None:
@@ -185,6 +275,7 @@ class BlockIndex:
             self._leave_ram(state)
         self.dirty.add(key)
         self._forget_if_empty(state)
+        self._sync(state)
 
     # ------------------------------------------------------------- worker events
 
@@ -192,7 +283,6 @@ class BlockIndex:
         """Apply the worker's completions: RAM copies, reads, disk writes and failures, slots
         released. A Redis write only marks the block's location changed: the publisher, not
         the index, tracks what is in Redis and for how long."""
-        owners = self.slot_owners() if report.released_slots else {}
         for key in report.saved:
             self.saved(key)
         for key in report.read_ok:
@@ -206,7 +296,7 @@ class BlockIndex:
         for key in report.read_failed:
             self.read_failed(key)
         for slot in report.released_slots:
-            self.release(slot, owners)
+            self.release(slot)
 
     def saved(self, key: str) -> None:
         """The RAM copy of a save finished."""
@@ -226,6 +316,7 @@ class BlockIndex:
         if state is not None and state.on_disk:
             state.disk_confirmed = True
             self.dirty.add(key)
+            self._sync(state)
 
     def read_failed(self, key: str) -> None:
         """A file was unreadable. When a newer write of the block is queued (its disk copy is
@@ -254,18 +345,29 @@ class BlockIndex:
         self.dirty.add(key)
         self._settle(state)
 
-    def release(self, slot: int, owners: dict[int, str]) -> None:
-        """A load or read stopped using ``slot``."""
-        key = owners.get(slot)
-        state = self.blocks.get(key) if key is not None else None
-        if state is None or state.slot != slot:
+    def release(self, slot: int, owners: dict[int, str] | None = None) -> None:
+        """A load or read stopped using ``slot`` (``owners``: a slot -> key map to use
+        instead of the index's own)."""
+        if owners is not None:
+            key = owners.get(slot)
+            state = self.blocks.get(key) if key is not None else None
+        else:
+            state = self._slot_owner.get(slot)
+        if state is None or state.slot != slot or self.blocks.get(state.key) is not state:
             return
         state.locks = max(0, state.locks - 1)
         self._settle(state)
 
     def slot_owners(self) -> dict[int, str]:
         """Slot -> key of every assigned slot."""
-        return {s.slot: s.key for s in self.blocks.values() if s.slot != NO_SLOT}
+        return {slot: s.key for slot, s in self._slot_owner.items()}
+
+    def slot_moved(self, state: BlockState, old: int) -> None:
+        """``state.slot`` changed from ``old`` (called by :class:`BlockState`)."""
+        if old != NO_SLOT and self._slot_owner.get(old) is state:
+            del self._slot_owner[old]
+        if state.slot != NO_SLOT:
+            self._slot_owner[state.slot] = state
 
     # ----------------------------------------------------------------- helpers
 
@@ -274,8 +376,9 @@ class BlockIndex:
             self._leave_ram(state)
             state.dropped = False
             if not state.on_disk:
-                self.blocks.pop(state.key, None)
+                self._forget(state)
         self.dirty.add(state.key)
+        self._sync(state)
 
     def _leave_ram(self, state: BlockState, *, free: bool = True) -> None:
         if state.slot != NO_SLOT and free:
@@ -283,6 +386,7 @@ class BlockIndex:
         state.slot, state.ram_ready = NO_SLOT, False
         self.dirty.add(state.key)
         self._forget_if_empty(state)
+        self._sync(state)
 
     def _leave_disk(self, state: BlockState) -> None:
         state.on_disk = state.disk_confirmed = False
@@ -290,7 +394,46 @@ class BlockIndex:
         self.removes.append(state.key)
         self.dirty.add(state.key)
         self._forget_if_empty(state)
+        self._sync(state)
 
     def _forget_if_empty(self, state: BlockState) -> None:
         if state.slot == NO_SLOT and not state.on_disk and state.locks == 0:
-            self.blocks.pop(state.key, None)
+            self._forget(state)
+
+    def _forget(self, state: BlockState) -> None:
+        if self.blocks.get(state.key) is state:
+            del self.blocks[state.key]
+
+    def _in_ram(self, key: str) -> bool:
+        """The block may leave RAM: its slot's bytes are ready and nothing reads them."""
+        s = self.blocks.get(key)
+        return s is not None and s.slot != NO_SLOT and s.ram_ready and s.locks == 0
+
+    def _sync(self, state: BlockState) -> None:
+        """Bring the eviction orders and counters in step with ``state`` (O(log n))."""
+        key = state.key
+        live = self.blocks.get(key) is state
+        if live and state.slot != NO_SLOT and state.ram_ready and state.locks == 0:
+            self.ram_order.put(key, state.last_access, keep_pinned=not state.on_disk)
+        else:
+            self.ram_order.discard(key)
+        if live and state.on_disk and not state.dropped:
+            self.disk_order.put(key, state.last_access, keep_pinned=True)
+        else:
+            self.disk_order.discard(key)
+        counted = (
+            live and state.on_disk and not state.disk_confirmed,
+            live and state.on_disk and state.disk_confirmed,
+        )
+        if counted != state.counted:
+            self.unconfirmed_writes += counted[0] - state.counted[0]
+            self.confirmed_files += counted[1] - state.counted[1]
+            state.counted = counted
+
+    def _outlook_changed(self, keys: Iterable[str] | None) -> None:
+        """The policy's listener: these blocks' sessions changed (None: every block)."""
+        blocks = self.blocks
+        for key in blocks if keys is None else keys:
+            state = blocks.get(key)
+            if state is not None:
+                self._sync(state)

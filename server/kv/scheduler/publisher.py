@@ -8,6 +8,7 @@ registry thread does the writing, and merges publishes that wait behind a busy r
 
 from __future__ import annotations
 
+import heapq
 import time
 
 from server.kv.scheduler.index import BlockIndex
@@ -35,7 +36,10 @@ class Publisher:
         self.compression_ratio = compression_ratio
         """Engine bytes over stored bytes of a block (``--kv-offload-dtype``), a gauge."""
         self.redis_until: dict[str, float] = {}
-        """Blocks this engine put in Redis and when their TTL ends (for tier counts)."""
+        """Blocks this engine put in Redis and when their TTL ends (for tier counts). Others
+        may delete entries (a dropped block); the deadline queue skips what changed."""
+        self._expiry: list[tuple[float, str]] = []
+        """(TTL end, key) of ``redis_until``, a heap: a flush pops only what expired."""
         self._counters: dict[str, float] = {}
         self._last_flush = 0.0
 
@@ -46,19 +50,26 @@ class Publisher:
 
     def redis_written(self, key: str) -> None:
         """The worker wrote the block to Redis (its TTL starts now)."""
-        self.redis_until[key] = time.time() + self.redis_ttl_s
+        until = self.redis_until[key] = time.time() + self.redis_ttl_s
+        heapq.heappush(self._expiry, (until, key))
+        if len(self._expiry) > 2 * len(self.redis_until) + 1024:  # drops left stale entries
+            self._expiry = [(u, k) for k, u in self.redis_until.items()]
+            heapq.heapify(self._expiry)
 
     def flush(self, index: BlockIndex, *, force: bool = False) -> None:
         """Queue the changed blocks' locations, the counters and the gauges (throttled unless
-        ``force``)."""
+        ``force``). O(changed blocks + expired Redis entries)."""
         now = time.monotonic()
         if not force and now - self._last_flush < self.stats_flush_s:
             return
         self._last_flush = now
         wall = time.time()
-        for key in [k for k, until in self.redis_until.items() if until < wall]:
-            del self.redis_until[key]  # expired in Redis by now
-            index.dirty.add(key)
+        expiry = self._expiry
+        while expiry and expiry[0][0] < wall:
+            until, key = heapq.heappop(expiry)
+            if self.redis_until.get(key) == until:
+                del self.redis_until[key]  # expired in Redis by now
+                index.dirty.add(key)
         dirty, index.dirty = index.dirty, set()
         updates = {k: (*index.location(k), k in self.redis_until, self.block_bytes) for k in dirty}
         gauges = index.gauges(self.block_bytes, redis_blocks=len(self.redis_until))

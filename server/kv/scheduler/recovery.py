@@ -7,6 +7,8 @@ Every recovery logs one warning that names the file or folder and what was done:
 - :func:`forget_unregistered_files`: the session registry vanished (deleted, or a new cache
   folder beside old block files) while block files remain; no session can reach or delete
   them any more, so they are deleted and the registry and the files agree.
+- a start that serves at once (the files found and the snapshot taken while the engine
+  serves) is :mod:`server.kv.scheduler.warm_up`'s.
 - :class:`DiskSpace`: a write failed and the file system is full; the tier's budget shrinks to
   what the file system holds (new blocks replace the oldest instead of failing one by one),
   one warning per episode, and grows back towards the configured budget when room returns.
@@ -63,14 +65,19 @@ def forget_unregistered_files(
         return files
     for key in files:
         store.remove(key)
+    warn_unregistered(registry_path, len(files), store.root)
+    return {}
+
+
+def warn_unregistered(registry_path: Path, count: int, root: Path) -> None:
+    """The one warning for block files deleted because the session registry vanished."""
     log.warning(
         "session registry %s is missing (deleted?): an empty one is created, and the %d block "
         "files under %s that no session can reach or delete any more were deleted",
         registry_path,
-        len(files),
-        store.root,
+        count,
+        root,
     )
-    return {}
 
 
 def free_bytes(path: Path) -> int:
@@ -108,9 +115,7 @@ class DiskSpace:
 
     def _room(self, index: BlockIndex, free: int) -> int:
         """Bytes of block files the file system can hold now (whole files, one kept spare)."""
-        written = self.file_bytes * sum(
-            1 for s in index.blocks.values() if s.on_disk and s.disk_confirmed
-        )
+        written = self.file_bytes * index.confirmed_files
         room = written + max(0, free - self.file_bytes)
         return min(self.budget, room // self.file_bytes * self.file_bytes)
 

@@ -44,8 +44,12 @@ from pathlib import Path
 from server.kv.registry.api import Cursor, EngineRegistry
 from server.kv.registry.sql import SessionRow
 from server.kv.registry.sqlite import Registry
+from server.kv.scheduler.policy import SessionKey, SnapshotItem, group_snapshot
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_CHUNK = 10_000
+"""Sessions per chunk of the streamed policy snapshot."""
 
 TierUpdates = dict[str, tuple[bool, bool, bool, int]]
 """Block key -> (in RAM, on disk, in Redis, bytes), as :meth:`Registry.set_block_tiers`."""
@@ -53,10 +57,19 @@ TierUpdates = dict[str, tuple[bool, bool, bool, int]]
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The whole policy state (start, or the change log was trimmed past our position)."""
+    """The whole policy state (start, or the change log was trimmed past our position), in
+    chunks as the registry streams it: ``first`` begins one, ``last`` ends it."""
 
     sessions: list[SessionRow]
     refs: list[tuple[str, str, str]]
+    first: bool = True
+    last: bool = True
+    items: dict[SessionKey, SnapshotItem] | None = None
+    """The chunk as one item per session (grouped on the registry thread)."""
+
+    def grouped(self) -> dict[SessionKey, SnapshotItem]:
+        """:attr:`items`, or the chunk grouped now (an event made elsewhere)."""
+        return self.items if self.items is not None else group_snapshot(self.sessions, self.refs)
 
 
 @dataclass(frozen=True)
@@ -287,7 +300,22 @@ class RegistrySync:
         self._change_seq = reg.change_seq()
         self._version = reg.data_version()
         self._last_purge = time.monotonic()
-        self._events.append(Snapshot(*reg.policy_snapshot()))
+        self._stream_snapshot(reg)
+
+    def _stream_snapshot(self, reg: EngineRegistry) -> None:
+        """Queue the policy snapshot chunk by chunk as it is read (one event per chunk: the
+        scheduler starts on the first while the next is read, and takes each in steps)."""
+        chunks = reg.iter_policy_snapshot(SNAPSHOT_CHUNK)
+        ahead = next(chunks, None)
+        first = True
+        while True:
+            sessions, refs = ahead if ahead is not None else ([], [])
+            ahead = next(chunks, None) if ahead is not None else None
+            items = group_snapshot(sessions, refs)
+            self._events.append(Snapshot(sessions, refs, first, ahead is None, items))
+            first = False
+            if ahead is None:
+                return
 
     def _run_jobs(self, reg: EngineRegistry) -> bool:
         """Run queued jobs until none is left or one fails; True if any wrote."""
@@ -356,7 +384,7 @@ class RegistrySync:
                 self._drop_seq = drop_seq
             seq, changed = reg.changes_after(self._change_seq)
             if changed is None:
-                self._events.append(Snapshot(*reg.policy_snapshot()))
+                self._stream_snapshot(reg)
             else:
                 for tenant, sid in changed:
                     row, keys = reg.session_state(tenant, sid)

@@ -20,7 +20,9 @@ Verbs, per request:
 None of these waits on anything: every registry read and write runs on the registry thread
 (:class:`RegistrySync`; its events are applied once a step, at the step's first call), every
 Redis existence check on the Redis thread (:class:`RedisLookups`; a lookup waiting for one
-answers vLLM None, "not yet"), and control requests are held by :class:`ControlOps`.
+answers vLLM None, "not yet"), control requests are held by :class:`ControlOps`, and the
+start's block files and registry snapshots are taken a few milliseconds per step
+(:class:`~server.kv.scheduler.recovery.WarmUp`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
 from server.kv.scheduler.tails import TailBook
+from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.redis import RedisStore
 
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 
 _NO_STATE = BlockState("")
 _IDLE_POLL_S = 0.002
+_WARM_IDLE_S, _WARM_BUSY_S = 0.010, 0.002
+"""Seconds of start-up work (files, snapshots) per step: idle, and with requests scheduled."""
 
 
 class SessionKVScheduler:
@@ -62,11 +67,15 @@ class SessionKVScheduler:
         block_size: int,
         block_bytes: int,
         file_bytes: int,
-        disk_files: dict[str, int],
+        disk_files: dict[str, int] | FileScan,
         sync: RegistrySync | None = None,
         redis: RedisStore | None = None,
         compression_ratio: float = 1.0,
+        on_files_indexed: Callable[[], None] | None = None,
     ) -> None:
+        """``disk_files``: the block files found at start, indexed here, or a
+        :class:`FileScan` still running, indexed in steps (then ``on_files_indexed`` runs
+        once every file is in)."""
         self.settings = settings
         self.block_size = block_size
         self.block_bytes = block_bytes
@@ -99,6 +108,7 @@ class SessionKVScheduler:
             file_bytes=file_bytes,
             disk_bytes=settings.disk_bytes if num_slots else 0,
             policy=self.policy,
+            pin_share=settings.pin_share,
         )
         self._tracked: dict[str, Tracked] = {}
         self._lookups: dict[str, Lookup] = {}
@@ -114,10 +124,15 @@ class SessionKVScheduler:
         """The registry's events were applied in this step already."""
         self.tails = TailBook(block_size)
         self.sync.write("block tier reset", lambda reg: reg.reset_block_tiers())
-        for key, size in sorted(disk_files.items()):
-            if size != file_bytes or not self.index.add_disk_file(key):
-                self.index.removes.append(key)  # wrong size or over budget
-        self.tails.learn(*self.index.blocks)  # tail files found at start
+        scan = disk_files if isinstance(disk_files, FileScan) else None
+        self._warm = WarmUp(
+            self.index, self.policy, self.tails, self.sync,
+            scan or FileScan(None, files=disk_files),  # type: ignore[arg-type]
+            block_bytes=block_bytes, answered=self._ops.answered, on_files_done=on_files_indexed,
+        )  # fmt: skip
+        """Start-up work taken in steps: block files found on disk, registry snapshots."""
+        if scan is None:
+            self._warm.finish()  # files found already: indexed now
         self.flush(force=True)
 
     # ------------------------------------------------------------------ lookups
@@ -128,6 +143,8 @@ class SessionKVScheduler:
         """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async; None
         ("not yet") while a Redis check or a control request's work is outstanding."""
         self._begin_step()
+        if self._warm.holding():
+            return None, False  # the start's files are coming in: ask again next step
         tracked = track(self._tracked, request)
         if tracked.op in CONTROL_OPS:
             return self._ops.step(request.request_id, tracked.op, tracked.session, self._plan)
@@ -206,7 +223,7 @@ class SessionKVScheduler:
             state = self.index.blocks.get(key)
             if promote and (state is None or state.slot == NO_SLOT):
                 slot = promote.pop()
-                state = self.index.blocks.setdefault(key, BlockState(key))
+                state = self.index.ensure(key)
                 state.slot, state.ram_ready = slot, False
                 state.locks += 1
             items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
@@ -228,6 +245,8 @@ class SessionKVScheduler:
         list, computed tokens before this step) for every request scheduled this step."""
         self._begin_step()
         self._step_open = False  # the next call belongs to the next step
+        if self._warm.pending() and not scheduled:
+            self._warm.step(_WARM_IDLE_S)
         wanted: list[tuple[int, str]] = []
         for req_id, new_ids, replace, num_computed in scheduled:
             tracked = self._tracked.get(req_id)
@@ -260,14 +279,18 @@ class SessionKVScheduler:
         plan, self._plan = self._plan, StepPlan()
         plan.removes, self.index.removes = self.index.removes, []
         self._removing.update(plan.removes)
+        self._warm.removed(plan.removes)
         return plan
 
     def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
         keys = {k for _, k in wanted}
         slots = self.index.alloc_slots(len(wanted), protect=keys)
         redis = self.redis is not None
+        index = self.index
         for (block_id, key), slot in zip(wanted, slots, strict=False):
-            to_disk = self.index.reserve_disk(protect=keys)
+            # no disk eviction before the policy knows the registry's pins
+            room = index.disk_used + index.file_bytes <= index.disk_bytes
+            to_disk = (room or self._warm.policy_ready) and index.reserve_disk(protect=keys)
             self.index.new_block(key, slot, to_disk)
             self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, redis))
             if redis:
@@ -296,7 +319,9 @@ class SessionKVScheduler:
         stepping, so a turn's last blocks reach every tier before an idle engine stops)."""
         if self.index.removes or self._removing or self._to_redis or self._ops.pending():
             return True
-        return any(s.on_disk and not s.disk_confirmed for s in self.index.blocks.values())
+        if self._warm.pending():
+            return True  # start-up work left: keep stepping to take it
+        return self.index.unconfirmed_writes > 0  # counted as blocks change: O(1)
 
     # ---------------------------------------------------------------- sessions
 
@@ -319,6 +344,7 @@ class SessionKVScheduler:
         tail = self.tails.on_finished(request, block_ids, computed, ram_on)
         keys += [tail] if tail is not None else []
         now = time.time()
+        self._warm.settle(tenant, sid)  # its snapshot item first, if still to come
         old = self.policy.keys_of(tenant, sid)
         self.policy.note_turn(tenant, sid, keys, now)
         self.tails.supersede(old, keys, self.policy, self.index)
@@ -355,6 +381,7 @@ class SessionKVScheduler:
         if not self.sync.wait(token, timeout_s):
             raise TimeoutError(f"session registry did not catch up in {timeout_s} s")
         self._apply_events()
+        self._warm.finish()
 
     # ----------------------------------------------------------------- helpers
 
@@ -364,25 +391,23 @@ class SessionKVScheduler:
         if not self._step_open:
             self._step_open = True
             self._apply_events()
+            if self._warm.pending():
+                self._warm.step(_WARM_BUSY_S)
 
     def _apply_events(self) -> None:
         for event in self.sync.drain():
             if isinstance(event, Snapshot):
-                self.policy.load(event.sessions, event.refs)
-                self.tails.learn(*(key for _, _, key in event.refs))
+                self._warm.add_snapshot(event)  # taken in steps
             elif isinstance(event, SessionChange):
-                if event.row is None:
-                    self.policy.forget(event.tenant, event.session_id)
-                else:
-                    self.policy.record(event.row, event.keys)
-                    self.tails.learn(*event.keys)  # another replica's tails, if any
+                self._warm.add_change(event)  # taken in steps (a burst never stalls one)
             elif isinstance(event, Dropped):
                 self._drop(event.keys)
-            elif isinstance(event, Done):
+            elif isinstance(event, Done) and not self._warm.defer(event.token):
                 self._ops.answered(event.token)
 
     def _drop(self, keys: list[str]) -> None:
         """Forget blocks in every tier (their sessions were deleted or expired)."""
+        self._warm.removed(keys)
         for key in keys:
             self.index.drop(key, remove_file=True)
             self.publisher.redis_until.pop(key, None)

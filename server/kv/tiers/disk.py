@@ -37,7 +37,7 @@ import logging
 import os
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -262,58 +262,50 @@ class DiskStore:
         return removed
 
     def scan(self) -> dict[str, int]:
-        """Key -> size of every sound block file; the scheduler side calls it once at start.
+        """Key -> size of every sound block file (:meth:`iter_scan`, joined)."""
+        return {key: size for chunk in self.iter_scan() for key, size in chunk}
+
+    def iter_scan(self, chunk: int = 4096) -> Iterator[list[tuple[str, int]]]:
+        """(key, size) of every sound block file, in chunks of about ``chunk`` keys, as the
+        walk finds them; the scheduler side runs it once at start, on a background thread
+        (:class:`~server.kv.scheduler.recovery.FileScan`), and indexes each chunk as it comes.
 
         Recovers what crashes and damage left, with one warning per recovery naming the file:
         temp files of interrupted writes are deleted (quietly: a crash mid-write is normal);
         a manifest that is unreadable or names another layout means no file beside it can be
         trusted, so they are deleted and the manifest is rewritten; a block file of the wrong
         size (truncated) is deleted; empty fan-out folders are removed. With several
-        tensor-parallel ranks a block counts only when every rank's file is there; the files
-        of a block that lacks one (a save interrupted between ranks) are deleted.
+        tensor-parallel ranks a block counts only when every rank's file is there (a block's
+        files share one fan-out folder); the files of a block that lacks one (a save
+        interrupted between ranks) are deleted.
         """
         self._remove_earlier_file_layouts()
         trusted = self._manifest_ok()
-        one_file = rank_file_bytes(self.manifest)
-        seen: dict[str, set[int | None]] = {}
-        untrusted = 0
+        untrusted = partial = 0
+        out: list[tuple[str, int]] = []
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):
             here = Path(dirpath)
-            for name in files:
-                path = here / name
-                parsed = parse_block_name(path)
-                if not name.startswith(_TMP_PREFIX) and parsed is None:
-                    continue  # the manifest, or a file that is not ours
-                try:
-                    size = path.stat().st_size
-                    ours = parsed is not None and parsed[1] in self.ranks
-                    if parsed is not None and ours and trusted and size == one_file:
-                        seen.setdefault(parsed[0], set()).add(parsed[1])
-                        continue
-                    path.unlink()
-                except OSError:
-                    continue
-                if parsed is not None and trusted:
-                    log.warning(
-                        "KV block file %s is %d bytes, expected %d (truncated or damaged) or "
-                        "names another rank: deleted; its tokens are recomputed",
-                        path,
-                        size,
-                        one_file,
-                    )
-                untrusted += parsed is not None and not trusted
+            seen: dict[str, set[int | None]] = {}
+            untrusted += self._scan_folder(here, files, trusted, seen)
+            for key, got in seen.items():
+                if len(got) == len(self.ranks):
+                    out.append((key, self.file_bytes))
+                else:
+                    self.remove(key)
+                    partial += 1
             if here != self.root:
                 with contextlib.suppress(OSError):
                     here.rmdir()  # only when empty
-        found = {key: self.file_bytes for key, got in seen.items() if len(got) == len(self.ranks)}
-        partial = [key for key in seen if key not in found]
-        for key in partial:
-            self.remove(key)
+            if len(out) >= chunk:
+                yield out
+                out = []
+        if out:
+            yield out
         if partial:
             log.warning(
                 "%d KV blocks under %s lacked the file of some tensor-parallel rank (a save "
                 "interrupted between ranks): their files were deleted",
-                len(partial),
+                partial,
                 self.root,
             )
         if not trusted:
@@ -324,7 +316,38 @@ class DiskStore:
                 self.root / MANIFEST_FILE,
                 untrusted,
             )
-        return found
+
+    def _scan_folder(
+        self, here: Path, files: list[str], trusted: bool, seen: dict[str, set[int | None]]
+    ) -> int:
+        """Note the sound block files of one folder in ``seen`` (key -> ranks found), delete
+        the rest; the count of block files deleted as untrusted."""
+        one_file = rank_file_bytes(self.manifest)
+        untrusted = 0
+        for name in files:
+            path = here / name
+            parsed = parse_block_name(path)
+            if not name.startswith(_TMP_PREFIX) and parsed is None:
+                continue  # the manifest, or a file that is not ours
+            try:
+                size = path.stat().st_size
+                ours = parsed is not None and parsed[1] in self.ranks
+                if parsed is not None and ours and trusted and size == one_file:
+                    seen.setdefault(parsed[0], set()).add(parsed[1])
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            if parsed is not None and trusted:
+                log.warning(
+                    "KV block file %s is %d bytes, expected %d (truncated or damaged) or "
+                    "names another rank: deleted; its tokens are recomputed",
+                    path,
+                    size,
+                    one_file,
+                )
+            untrusted += parsed is not None and not trusted
+        return untrusted
 
     def _remove_earlier_file_layouts(self) -> None:
         """Delete the folder of this manifest under an earlier block file layout (left by an

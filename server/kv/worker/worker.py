@@ -21,7 +21,10 @@ Per step:
 A tail block is loaded whole, like any block: where a token's slot lies inside a block is the
 attention backend's business (the CPU backend stores all keys of a head, then all values, in
 ISA-specific tiles), and the slots past the tail are never read: vLLM's forward writes the
-positions it computes, and attention reads only positions below the sequence length.
+positions it computes, and attention reads only positions below the sequence length. A tail is
+saved from a private copy whose slots past its tokens are zero
+(:mod:`server.kv.worker.token_slots`): the paged block vLLM handed the request may hold another
+request's (another tenant's) KV there, which must not outlive it in RAM, files or Redis.
 - ``collect`` (from ``get_finished``): applies finished disk reads to the paged cache, reports
   requests whose async load completed, and the paged block ids whose load failed (vLLM then
   recomputes them), and returns a :class:`WorkerReport` for the scheduler side.
@@ -46,7 +49,8 @@ from dataclasses import dataclass, field
 import torch
 
 from server.kv.formats import BlockFormat
-from server.kv.metadata import NO_SLOT, LoadItem, StepPlan, WorkerReport
+from server.kv.keys import parse_tail_key
+from server.kv.metadata import NO_SLOT, LoadItem, SaveItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
 from server.kv.tiers.codec import BlockCodec
 from server.kv.tiers.disk import DiskStore
@@ -54,6 +58,7 @@ from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.tiers.redis import RedisStore
 from server.kv.worker.io_thread import IOThread, Read
 from server.kv.worker.layer_loads import LayerLoads
+from server.kv.worker.token_slots import TokenSlots
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +96,15 @@ class SessionKVWorker:
         redis: RedisStore | None = None,
         block_format: BlockFormat | None = None,
         rank: int = 0,
+        block_size: int | None = None,
     ) -> None:
         self.rank = rank
         """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+        self.block_size = block_size
+        """Tokens per paged block (None: unknown, and tail blocks are saved as vLLM left
+        them)."""
+        self.token_slots: TokenSlots | None = None
+        """Where each token lies in a layer's block, found in ``register_kv_caches``."""
         self.num_slots = num_slots
         self.layers = layers
         self.layer_block_bytes = layer_block_bytes
@@ -142,6 +153,8 @@ class SessionKVWorker:
             "auto", str(views[0].dtype), tuple(self.layer_block_bytes)
         )
         self.codec = BlockCodec(fmt, [tuple(v.shape[1:]) for v in views])
+        if self.block_size and self.num_slots:
+            self.token_slots = TokenSlots.probe(views, self.block_size)
         if self.num_slots:
             self.pool = RamPool(self.num_slots, self.codec)
             if self.layer_wise and all(v.device.type == "cpu" for v in views):
@@ -206,7 +219,7 @@ class SessionKVWorker:
         self.finish_loads()
         if plan.saves and self.pool is not None:
             started = time.perf_counter()
-            self.pool.save(self.kv, [s.block_id for s in plan.saves], [s.slot for s in plan.saves])
+            self._copy_out(plan.saves)
             self._report.saved.extend(s.key for s in plan.saves)
             self.stats.observe_save(time.perf_counter() - started, len(plan.saves))
         self._released.update(plan.release)  # their blocks were copied (or not saved at all)
@@ -268,6 +281,22 @@ class SessionKVWorker:
         self.io.close()
 
     # ----------------------------------------------------------------- helpers
+
+    def _copy_out(self, saves: list[SaveItem]) -> None:
+        """Copy saved paged blocks into their RAM slots; a tail block from a copy whose slots
+        past its tokens are zero (when the layout's token positions are known)."""
+        assert self.pool is not None
+        slots = self.token_slots
+        tails = {s: parse_tail_key(s.key) for s in saves} if slots and slots.known else {}
+        full = [s for s in saves if tails.get(s) is None]
+        if full:
+            self.pool.save(self.kv, [s.block_id for s in full], [s.slot for s in full])
+        partial = [(s, t[1]) for s, t in tails.items() if t is not None]
+        if partial and slots is not None:
+            copies = slots.tail_copies(
+                self.kv, [s.block_id for s, _ in partial], [n for _, n in partial]
+            )
+            self.pool.save(copies, list(range(len(partial))), [s.slot for s, _ in partial])
 
     def _load_now(self, items: list[LoadItem]) -> None:
         """Copy RAM items into the paged cache now, every layer (a failure is a miss)."""

@@ -22,6 +22,7 @@ from langchain_core.messages import (
 )
 
 from langgraph_kvcache import ChatKVCache
+from langgraph_kvcache.errors import ToolCallCutError
 
 pytestmark = pytest.mark.vllm
 
@@ -62,13 +63,27 @@ def test_forced_tool_choice_returns_a_schema_valid_call(
         print(f"  {choice}/{'stream' if stream else 'invoke'}: {call['name']}({call['args']})")
 
 
-def test_a_cut_forced_call_says_so(agent_model: ChatKVCache) -> None:
-    """A forced call cut by ``max_tokens`` comes back as ``finish_reason="length"`` with the
-    partial call as text, never as a made-up call."""
-    model = agent_model.bind_tools([lookup], tool_choice="lookup").bind(max_tokens=6)
-    answer = model.invoke([HumanMessage(QUESTION)])
-    assert not answer.tool_calls
-    assert answer.response_metadata.get("finish_reason") == "length"
+@pytest.mark.parametrize(
+    "cut_at", [6, 12, 16], ids=["in-the-name", "before-the-arguments", "in-the-arguments"]
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
+def test_a_cut_forced_call_says_so(agent_model: ChatKVCache, stream: bool, cut_at: int) -> None:
+    """A forced call cut by ``max_tokens`` came back as a text answer (``'<tool_call>\n{"name'``,
+    no tool calls, ``finish_reason="length"``) that an agent loop took for the final answer, and
+    never as a made-up call. Now it raises :class:`ToolCallCutError`, which says to raise
+    ``max_tokens`` and holds the partial message; the same call with room is a whole call.
+    Streamed, a cut call could pass for a whole one: cut before its arguments it streamed as
+    ``lookup({})``, and LangChain parses streamed arguments leniently (``{"title": "At`` reads
+    as ``{"title": "At"}``)."""
+    model = agent_model.bind_tools([lookup], tool_choice="lookup")
+    with pytest.raises(ToolCallCutError, match=f"max_tokens={cut_at}") as cut:
+        _answer(model.bind(max_tokens=cut_at), [HumanMessage(QUESTION)], stream=stream)
+    assert cut.value.message is not None
+    assert isinstance(cut.value, ValueError)
+    whole = _answer(model.bind(max_tokens=64), [HumanMessage(QUESTION)], stream=stream)
+    assert whole.tool_calls and whole.tool_calls[0]["name"] == "lookup"
+    free = agent_model.bind_tools([lookup]).bind(max_tokens=2)  # not forced: text, no error
+    assert _answer(free, [HumanMessage("Say hi.")], stream=stream).response_metadata
 
 
 def test_tool_turn_keeps_the_prefix(agent_model: ChatKVCache, run_id: str) -> None:

@@ -46,17 +46,12 @@ def engine_kwargs(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     }
 
 
-def transfer_config(extra: dict[str, Any]) -> Any:
-    """vLLM's KVTransferConfig selecting SessionKVConnector, as the app builds it (vLLM's
-    default kv_load_failure_policy="fail"; the connector switches it to "recompute")."""
-    from vllm.config import KVTransferConfig
+def transfer_config(extra: dict[str, Any], model: str | None = None) -> Any:
+    """vLLM's KVTransferConfig selecting the connector, as the app builds it (vLLM's default
+    kv_load_failure_policy="fail"; the connector switches it to "recompute")."""
+    from server.kv.offline import transfer_config as build
 
-    return KVTransferConfig(
-        kv_connector="SessionKVConnector",
-        kv_connector_module_path="server.kv.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )
+    return build(extra, model)
 
 
 def settle(llm: Any) -> None:
@@ -77,7 +72,7 @@ def make_llm(kwargs: dict[str, Any]) -> Any:
 
     kwargs = dict(kwargs)
     extra = kwargs.pop("kv_connector_extra_config")
-    return LLM(**kwargs, kv_transfer_config=transfer_config(extra))
+    return LLM(**kwargs, kv_transfer_config=transfer_config(extra, kwargs["model"]))
 
 
 def make_async_llm(kwargs: dict[str, Any]) -> Any:
@@ -87,7 +82,7 @@ def make_async_llm(kwargs: dict[str, Any]) -> Any:
 
     kwargs = dict(kwargs)
     extra = kwargs.pop("kv_connector_extra_config")
-    args = AsyncEngineArgs(**kwargs, kv_transfer_config=transfer_config(extra))
+    args = AsyncEngineArgs(**kwargs, kv_transfer_config=transfer_config(extra, kwargs["model"]))
     return AsyncLLM.from_engine_args(args)
 
 

@@ -56,3 +56,58 @@ def test_mla_on_cpu_gets_no_cached_tokens_and_the_cache_off_answers(
         )
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "prompt_len", "text_varies"),
+    [
+        # vLLM 0.32's CPU Mamba-2 kernel fails past one 128-token block with prefix caching on
+        # (IndexError in varlen_states, plain vLLM too): the conversation stays inside one.
+        ("granitemoehybrid", "float32", 60, True),
+        # CPU's gated-delta-net kernel needs bfloat16 and 128-wide heads; on it vLLM 0.32
+        # answers this tiny model with token 0 throughout (transformers, float32 or bfloat16,
+        # gives varied text from the same weights), so only "starts, reads nothing, equals
+        # cache-off" is checked.
+        ("qwen3_next", "bfloat16", 300, False),
+    ],
+)
+def test_a_recurrent_hybrid_starts_and_answers_like_cache_off(
+    arch: str,
+    dtype: str,
+    prompt_len: int,
+    text_varies: bool,
+    smollm2_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """A Mamba-2 hybrid (Granite 4) and a linear-attention hybrid (Qwen3-Next) did not start
+    with the connector: vLLM turned its hybrid KV cache manager off for a connector without
+    ``SupportsHMA`` and then failed ("Failed to promote local KV cache specs to one unified
+    type"). They get the connector class that declares it, so vLLM keeps several KV cache
+    groups; the tiers do not keep recurrent state yet, so the connector offers nothing, and a
+    conversation whose history left vLLM's own cache is computed in full, equal to cache-off."""
+    from server.kv.layout import HYBRID_CONNECTOR, connector_class_for
+    from server.tiny_models import build_tiny_arch
+
+    model_dir = build_tiny_arch(arch, tokenizer_from=smollm2_dir)
+    assert connector_class_for(str(model_dir)) == HYBRID_CONNECTOR
+    engine = engine_kwargs(model_dir, tmp_path / "cache")
+    del engine["block_size"]  # vLLM sizes attention blocks to match the recurrent state's
+    engine["dtype"] = dtype
+    prompt = [400 + (i * 37) % 3000 for i in range(prompt_len)]
+    turns = [
+        {"prompt": prompt, "session": "h", "max_tokens": 12},
+        {"continue": list(range(900, 920)), "session": "h", "reset": True, "max_tokens": 12},
+    ]
+    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
+    ref = run_engine_script(
+        {
+            "engine": engine,
+            "turns": [{"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 12}],
+        },
+        tmp_path,
+    )
+    if text_varies:
+        assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
+    assert hit[1]["num_cached_tokens"] == 0
+    assert hit[1]["tokens"] == ref[0]["tokens"]
+    assert hit[1]["logprobs"] == pytest.approx(ref[0]["logprobs"], abs=1e-4)

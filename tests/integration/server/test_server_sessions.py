@@ -259,3 +259,33 @@ def test_bad_ttl_is_refused_and_nothing_is_stored(lgkv_server: ServerProcess, tt
                           headers=headers)  # fmt: skip
         assert patched.status_code == 422, patched.text
         assert c.get("/v1/sessions/ttl-ok").json()["ttl_seconds"] == 60
+
+
+def test_listing_pages_by_cursor(lgkv_server: ServerProcess) -> None:
+    """``next_cursor`` pages through every session exactly once, also while sessions are
+    added between pages; the clients iterate with it; a malformed cursor is 400."""
+    from langgraph_kvcache import KVCacheClient
+
+    server = lgkv_server
+    with server.client() as c:
+        ids = {f"page-{i}" for i in range(7)}
+        for sid in sorted(ids):
+            assert c.post("/v1/sessions", json={"id": sid}).status_code == 201
+        seen: list[str] = []
+        first = c.get("/v1/sessions", params={"limit": 3}).json()
+        seen += [s["id"] for s in first["data"]]
+        assert first["next_cursor"] and len(first["data"]) == 3
+        assert c.post("/v1/sessions", json={"id": "page-late"}).status_code == 201
+        after = first["next_cursor"]
+        while after is not None:
+            page = c.get("/v1/sessions", params={"limit": 3, "after": after}).json()
+            seen += [s["id"] for s in page["data"]]
+            after = page["next_cursor"]
+        assert len(seen) == len(set(seen)) and ids <= set(seen)
+        bad = c.get("/v1/sessions", params={"after": "not-a-cursor"})
+        assert bad.status_code == 400 and "cursor" in bad.json()["error"]["message"]
+        with KVCacheClient(server.base_url) as client:
+            listed = [s.id for s in client.iter_sessions(page_size=2)]
+        assert len(listed) == len(set(listed)) and ids | {"page-late"} <= set(listed)
+        for sid in ids | {"page-late"}:
+            assert c.delete(f"/v1/sessions/{sid}").status_code == 200

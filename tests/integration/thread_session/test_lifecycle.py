@@ -126,6 +126,40 @@ def test_ttl_expires_threads_and_sessions_together(
             kv.get_session(idle)
         assert kv.get_session(active).num_blocks > 0
         saver.delete_thread(active)
+        assert graph.get_state({"configurable": {"thread_id": idle}}).values == {}
+    with pytest.raises(SessionNotFoundError):  # reading the swept thread brought nothing back
+        kv.get_session(idle)
+    kv.close()
+
+
+def test_reads_never_create_sessions(
+    lgkv_server: Any, db_url: str, kv_model: ChatKVCache, run_id: str
+) -> None:
+    """``get_state`` of a deleted or unknown thread sent POST /v1/sessions (201) and left a
+    session (and a session row) behind; now only a stored checkpoint registers a session."""
+    gone, unknown = f"ts-{run_id}-gone", f"ts-{run_id}-unknown"
+    kv = KVCacheClient(lgkv_server.base_url)
+    options = KVSessionOptions(lgkv_server.base_url, ttl_seconds=600, prefetch_interval_s=0)
+    with SQLAlchemySaver.from_conn_string(db_url, kv_server=options) as saver:
+        saver.setup()
+        graph = build_agent(kv_model, [lookup_notes], saver)
+        _one_turn(graph, gone, run_id)
+        saver.kv_sessions.drain()  # type: ignore[union-attr]
+        assert kv.get_session(gone).ttl_seconds == 600  # registered at its first checkpoint
+        saver.delete_thread(gone)
+        for thread in (gone, unknown, gone):
+            config = {"configurable": {"thread_id": thread}}
+            assert graph.get_state(config).values == {}
+            assert saver.get_tuple(config) is None
+        saver.kv_sessions.drain()  # type: ignore[union-attr]
+        with saver.engine.connect() as conn:
+            rows = conn.execute(kv_sessions.select()).fetchall()
+        assert not {gone, unknown} & {r.thread_id for r in rows}
+    for _ in range(2):  # a fresh saver (another process) reads them too
+        with SQLAlchemySaver.from_conn_string(db_url, kv_server=options) as saver:
+            assert saver.get_tuple({"configurable": {"thread_id": gone}}) is None
+            assert saver.get_tuple({"configurable": {"thread_id": unknown}}) is None
+    assert not {gone, unknown} & _session_ids(kv)  # background calls ended with the savers
     kv.close()
 
 

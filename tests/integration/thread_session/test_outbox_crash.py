@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,25 +63,40 @@ def _put_checkpoint(db_url: str, thread_id: str) -> None:
 
 
 def _kill_in_first_request(listener: socket.socket, child: subprocess.Popen[bytes]) -> bytes:
-    """Wait for the child's first request on ``listener``, SIGKILL the child; the request head."""
+    """Wait for the child's first request on ``listener``, SIGKILL the child; the request head.
+
+    A connection that does not open with an HTTP request line is not the child's and is dropped:
+    the listener's ephemeral port may be one a finished test's process still dials (a vLLM
+    engine's ZMQ socket retrying its dead peer sent ``\xff\x00...\x7f``, the ZMTP greeting).
+    """
     listener.settimeout(WAIT_S)
-    try:
-        conn, _ = listener.accept()
-    except TimeoutError:
-        child.kill()
-        _, err = child.communicate(timeout=60)
-        pytest.fail(f"the child sent no request (exit {child.returncode}):\n{err.decode()}")
-    with conn:
-        conn.settimeout(WAIT_S)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            head += chunk
-        os.kill(child.pid, signal.SIGKILL)
-        child.communicate(timeout=60)
-    return head
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            child.kill()
+            _, err = child.communicate(timeout=60)
+            pytest.fail(f"the child sent no request (exit {child.returncode}):\n{err.decode()}")
+        with conn:
+            conn.settimeout(max(1.0, deadline - time.monotonic()))
+            head = b""
+            while b"\r\n\r\n" not in head and _may_be_http(head):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+            if not _may_be_http(head) or b"\r\n" not in head:
+                continue  # another process's connection: wait for the child's
+            os.kill(child.pid, signal.SIGKILL)
+            child.communicate(timeout=60)
+        return head
+
+
+def _may_be_http(head: bytes) -> bool:
+    """Whether ``head`` can still be the start of an HTTP request (a method in capitals)."""
+    method = head.split(b" ", 1)[0]
+    return method.isalpha() and method.isupper() if method else True
 
 
 def _threads(saver: SQLAlchemySaver, thread_id: str) -> int:

@@ -203,6 +203,10 @@ def test_an_error_releases_and_an_interrupt_keeps_the_interrupt_lease(
 
         wait_until(interrupt_lease, "the interrupt lease")
         assert kv.get_session(asking).pin_expires_at <= time.time() + INTERRUPT_PIN_S
+    # Another saver (another web request or worker: the human-in-the-loop case) resumes the
+    # thread; the pin it never made is released when the resumed run ends all the same.
+    with SQLAlchemySaver.from_conn_string(sqlite_url, kv_server=_options(pins_server)) as fresh:
+        graph = _graph(model, ask, fresh)
         graph.invoke(Command(resume="yes"), config)
         assert not graph.get_state(config).next
         wait_until(

@@ -114,7 +114,7 @@ def test_defaults_are_laptop_friendly() -> None:
     assert cfg.port == 8000 and cfg.host == "127.0.0.1"
     assert cfg.kv_offload is True
     assert cfg.cache_dir == default_cache_dir() / "kv"
-    assert cfg.max_body_bytes == 4 << 20  # modest: a large body is parsed holding the GIL
+    assert cfg.max_body_bytes == 2 << 20  # modest: a large body is parsed holding the GIL
 
 
 @pytest.mark.vllm
@@ -135,7 +135,8 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert args.enable_prompt_tokens_details is True
     assert args.enable_auto_tool_choice is True and args.tool_call_parser == "lgkv_hermes"
     assert args.tool_strict_level == "parameter"  # forced tool calls follow the schema
-    assert args.served_model_name == [str(tiny_model_dir)]
+    # the path (responses carry it) and the folder's name: what a client guesses from --model
+    assert args.served_model_name == [str(tiny_model_dir), tiny_model_dir.name]
     ktc = args.kv_transfer_config
     assert ktc.kv_connector == "SessionKVConnector"
     assert ktc.kv_connector_module_path == "server.kv.connector"
@@ -154,6 +155,7 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "stats_flush_s": 1.0,
         "default_gap_s": 60.0,
         "min_gap_s": 30.0,
+        "pin_share": 0.5,
     }
     json.dumps(ktc.kv_connector_extra_config)  # plain JSON, travels to the engine process
 

@@ -222,3 +222,79 @@ async def test_options_lists_every_method_of_the_path_with_a_key() -> None:
         assert r.status_code == 204
         assert r.headers["allow"] == "OPTIONS, POST"
         assert (await c.options("/nowhere", headers=key)).status_code == 404
+
+
+async def test_a_key_sends_one_large_body_at_a_time() -> None:
+    """Four senders of 4 MiB bodies from one key slowed another key's first token 16x
+    (benchmarks/tenants.py): a key now has one body over LARGE_BODY_BYTES in flight; the next
+    gets 429 before it is read, while other keys and small bodies go on."""
+    import asyncio
+
+    from server.api.chat import LARGE_BODY_BYTES
+
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> JSONResponse:
+        await request.body()
+        entered.set()
+        await release.wait()
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
+    app.add_middleware(SessionRequestMiddleware, max_body_bytes=4 << 20, keys=KeyRing(("ka", "kb")))
+    big = json.dumps({"prompt": [1] * (LARGE_BODY_BYTES // 2)}).encode()
+    assert len(big) > LARGE_BODY_BYTES
+    a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        first = asyncio.create_task(c.post("/v1/completions", content=big, headers=a))
+        await entered.wait()
+        second = await c.post("/v1/completions", content=big, headers=a)
+        assert second.status_code == 429, second.text
+        assert "one at a time" in second.json()["error"]["message"]
+        entered.clear()
+        other = asyncio.create_task(c.post("/v1/completions", content=big, headers=b))
+        await entered.wait()  # another key's large body went in
+        release.set()
+        assert (await first).status_code == 200 and (await other).status_code == 200
+        again = await c.post("/v1/completions", content=big, headers=a)
+        assert again.status_code == 200  # the first one finished: room again
+
+
+def test_body_budget_refills_at_its_rate_and_holds_one_largest_body() -> None:
+    from server.api.body_budget import BodyBudget
+
+    budget = BodyBudget(rate=1000.0, burst=4000)
+    assert budget.take("a", 3000, now=0.0) == 0.0  # a full bucket: 1000 left
+    assert budget.take("a", 3000, now=0.0) == 2.0  # refused: 2000 short at 1000/s
+    assert budget.take("b", 4000, now=0.0) == 0.0  # another key's own bucket
+    assert budget.take("a", 3000, now=2.0) == 0.0  # refilled (refusals charge nothing)
+    assert budget.take("a", 4000, now=100.0) == 0.0  # never more than burst
+    assert budget.take("a", 1, now=100.0) > 0
+    msg, retry = budget.refusal(2.3)
+    assert retry == 3 and "--tenant-body-rate" in msg
+
+
+async def test_a_key_past_its_body_rate_gets_429_with_retry_after() -> None:
+    """One key sending large bodies back to back kept the API process parsing (tenant B's first
+    token 3.4x slower, benchmarks/tenants.py (a)): with several keys each key's bodies over
+    64 KiB pass at --tenant-body-rate; past it 429 with Retry-After, before the body is read;
+    another key and small bodies go on."""
+    from server.api.body_budget import BodyBudget
+
+    app = Starlette(routes=[Route("/v1/completions", _echo, methods=["POST"])])
+    budget = BodyBudget(1 << 10, 4 << 20)  # 1 KiB/s, a 4 MiB bucket
+    app.add_middleware(SessionRequestMiddleware, max_body_bytes=4 << 20,
+                       keys=KeyRing(("ka", "kb")), body_budget=budget)  # fmt: skip
+    big = json.dumps({"prompt": [1] * (600 << 10)}).encode()  # 1.8 MiB: two fit the bucket
+    a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        for _ in range(2):
+            assert (await c.post("/v1/completions", content=big, headers=a)).status_code == 200
+        refused = await c.post("/v1/completions", content=big, headers=a)
+        assert refused.status_code == 429, refused.text
+        assert "--tenant-body-rate" in refused.json()["error"]["message"]
+        assert int(refused.headers["Retry-After"]) > 1000  # 1 KiB/s: the rest takes long
+        assert (await c.post("/v1/completions", content=big, headers=b)).status_code == 200
+        small = json.dumps({"prompt": "hi"}).encode()
+        assert (await c.post("/v1/completions", content=small, headers=a)).status_code == 200

@@ -1,0 +1,427 @@
+"""Tenant fairness: what one key's load does to another key's turns and session API calls.
+
+One server with two API keys (the same flags throughout). Tenant B runs a chat conversation
+(streamed turns on its own session; TTFT to the first content token) and, after each turn,
+four session API calls on another of its sessions (GET, PATCH of the TTL, pin with a lease,
+unpin). It does so with tenant A idle, then while tenant A:
+
+- (a) sends oversized JSON bodies: ``/v1/completions`` bodies just under ``--max-body-bytes``
+  (2 MiB; a flat array of token ids), several in parallel, back to back;
+- (b) pins to its quota: A first fills sessions and pins them (with leases) until the server
+  answers 409 (``--tenant-pin-share``), then keeps renewing its pins, trying one more and
+  listing its sessions;
+- (c) runs long generations: a full batch (``--max-num-seqs`` streams of ``--gen-tokens``
+  tokens each, ``ignore_eos``, re-sent as each ends), and the same with one slot left free.
+
+Printed per phase: B's TTFT p50/p99 and its session API p50/p99, each with its ratio to the
+idle phase (the goal is at most 1.5x), what A got done meanwhile (answers by status), and the
+server's OpenMP core list (``VLLM_CPU_NUM_OF_RESERVED_CPU`` set, as every benchmark here).
+
+    python benchmarks/tenants.py                   # tiny random Llama, about 4 minutes on 2 cores
+    python benchmarks/tenants.py --quick           # about 2 minutes
+    python benchmarks/tenants.py --model smollm2   # SmolLM2-135M-Instruct (slower)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
+MAX_BODY = 2 << 20  # the server's default --max-body-bytes
+MAX_NUM_SEQS = 8
+
+
+def say(msg: str) -> None:
+    print(f"[tenants] {msg}", flush=True)
+
+
+@dataclass
+class Figures:
+    """What tenant B measured in one phase (seconds)."""
+
+    ttft: list[float] = field(default_factory=list)
+    api: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Load:
+    """Tenant A's activity in one phase: answers by HTTP status (or exception name)."""
+
+    statuses: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    note: str = ""
+    sample: str = ""
+    """The start of one refusal's text."""
+
+    def count(self, what: str | int, text: str = "") -> None:
+        with self.lock:
+            self.statuses[str(what)] += 1
+            if text and not self.sample:
+                self.sample = f"{what}: {text[:140]}"
+
+    def summary(self) -> str:
+        done = ", ".join(f"{n} x {s}" for s, n in sorted(self.statuses.items()))
+        return "; ".join(p for p in (done or "nothing", self.note, self.sample) if p)
+
+
+def client(url: str, key: str, timeout: float = 300.0) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` percentile (0.01..0.99) of ``values``, interpolated between samples."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+# --------------------------------------------------------------------------- tenant B
+
+
+def b_probe(url: str, model: str, phase: str, turns: int, max_tokens: int) -> Figures:
+    """Tenant B's conversation and session API calls; returns what it measured."""
+    out = Figures()
+    chat_sid, api_sid = f"b-chat-{phase}", f"b-api-{phase}"
+    opening = " ".join(f"Fact {i}: tenant B keeps notes about harbours." for i in range(30))
+    messages = [{"role": "user", "content": f"{opening} Summarise the notes."}]
+    with client(url, KEY_B) as c:
+        created = c.post("/v1/sessions", json={"id": api_sid, "ttl_seconds": 3600})
+        if created.status_code not in (201, 409):
+            out.errors.append(f"create {api_sid}: HTTP {created.status_code}")
+        for t in range(turns):
+            try:
+                answer, ttft = _chat_turn(c, model, chat_sid, messages, max_tokens)
+                out.ttft.append(ttft)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                out.errors.append(f"turn {t + 1}: {exc!r}"[:200])
+                answer = ""
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": f"Turn {t + 2}: one more detail, please."},
+            ]
+            for method, path, body in (
+                ("GET", f"/v1/sessions/{api_sid}", None),
+                ("PATCH", f"/v1/sessions/{api_sid}", {"ttl_seconds": 3600 + t}),
+                ("POST", f"/v1/sessions/{api_sid}/pin", {"pin_ttl_seconds": 60}),
+                ("POST", f"/v1/sessions/{api_sid}/unpin", None),
+            ):
+                start = time.perf_counter()
+                try:
+                    r = c.request(method, path, json=body)
+                    out.api.append(time.perf_counter() - start)
+                    if r.status_code != 200:
+                        out.errors.append(f"{method} {path}: HTTP {r.status_code} {r.text[:80]}")
+                except httpx.HTTPError as exc:
+                    out.errors.append(f"{method} {path}: {exc!r}"[:200])
+        c.delete(f"/v1/sessions/{api_sid}")
+    return out
+
+
+def _chat_turn(
+    c: httpx.Client, model: str, sid: str, messages: list[dict], max_tokens: int
+) -> tuple[str, float]:
+    """One streamed turn: (answer, seconds to the first content token)."""
+    body = {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+        "session_id": sid, "stream": True,
+    }  # fmt: skip
+    start = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:120]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece or choice.get("finish_reason"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                text.append(piece or "")
+    return "".join(text), ttft if ttft is not None else time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- tenant A
+
+
+def oversized_bodies(
+    url: str, model: str, stop: threading.Event, load: Load, parallel: int
+) -> None:
+    """``parallel`` senders of bodies just under the body limit, back to back."""
+    head = json.dumps({"model": model, "max_tokens": 1})[:-1] + ', "prompt": ['
+    count = (MAX_BODY - len(head) - 4096) // 6  # "12345," per id
+    body = (head + ",".join(["12345"] * count) + "]}").encode()
+    load.note = f"{parallel} senders of {len(body) / (1 << 20):.2f} MiB bodies"
+
+    def sender() -> None:
+        with client(url, KEY_A) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(
+                        "/v1/completions", content=body,
+                        headers={"Content-Type": "application/json"},
+                    )  # fmt: skip
+                    load.count(r.status_code, r.text if r.status_code != 200 else "")
+                except httpx.HTTPError as exc:
+                    load.count(type(exc).__name__)
+
+    _run_threads([sender] * parallel, stop)
+
+
+def pin_setup(url: str, model: str, load: Load, limit: int = 64) -> list[str]:
+    """A's sessions pinned up to its quota: fill one, pin it with a lease, until a 409."""
+    pinned: list[str] = []
+    with client(url, KEY_A) as c:
+        for i in range(limit):
+            sid = f"a-pin-{i}"
+            text = " ".join(f"Tenant A private line {i}.{j}." for j in range(110))
+            r = c.post(
+                "/v1/completions",
+                json={"model": model, "prompt": text, "max_tokens": 1, "session_id": sid},
+            )
+            load.count(f"fill {r.status_code}")
+            time.sleep(0.2)  # the turn's record reaches the registry
+            pin = c.post(f"/v1/sessions/{sid}/pin", json={"pin_ttl_seconds": 900})
+            load.count(f"pin {pin.status_code}")
+            if pin.status_code != 200:
+                load.note = (
+                    f"{len(pinned)} sessions pinned, then {pin.status_code}: "
+                    + (pin.json().get("error", {}).get("message", pin.text)[:160])
+                )
+                pinned.append(sid)  # the session over the quota: tried again below
+                break
+            pinned.append(sid)
+    return pinned
+
+
+def pin_churn(url: str, stop: threading.Event, load: Load, sessions: list[str]) -> None:
+    """Renew A's pins, try the pin over the quota again, list A's sessions; in a loop."""
+
+    def worker(offset: int) -> None:
+        with client(url, KEY_A) as c:
+            i = offset
+            while not stop.is_set():
+                sid = sessions[i % len(sessions)]
+                try:
+                    r = c.post(f"/v1/sessions/{sid}/pin", json={"pin_ttl_seconds": 900})
+                    load.count(f"pin {r.status_code}")
+                    if i % 5 == 0:
+                        load.count(f"list {c.get('/v1/sessions').status_code}")
+                except httpx.HTTPError as exc:
+                    load.count(type(exc).__name__)
+                i += 1
+
+    _run_threads([lambda: worker(0), lambda: worker(1)], stop)
+
+
+def pin_cleanup(url: str, sessions: list[str]) -> None:
+    with client(url, KEY_A) as c:
+        for sid in sessions:
+            c.delete(f"/v1/sessions/{sid}")
+
+
+def long_generations(
+    url: str, model: str, stop: threading.Event, load: Load, streams: int, tokens: int
+) -> None:
+    """``streams`` long generations at once, each re-sent as it ends, until ``stop``."""
+    load.note = f"{streams} streams of {tokens} tokens (of {MAX_NUM_SEQS} sequences)"
+
+    def stream(n: int) -> None:
+        prompt = " ".join(f"Tenant A story {n}, part {j}." for j in range(20))
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "session_id": f"a-gen-{n}",
+        }  # fmt: skip
+        with client(url, KEY_A) as c:
+            while not stop.is_set():
+                try:
+                    with c.stream("POST", "/v1/completions", json=body) as r:
+                        for _ in r.iter_lines():
+                            if stop.is_set():
+                                break  # closing the stream aborts the request
+                    load.count(r.status_code)
+                except httpx.HTTPError as exc:
+                    load.count(type(exc).__name__)
+
+    _run_threads([lambda n=n: stream(n) for n in range(streams)], stop)
+
+
+def _run_threads(targets: list[Callable[[], None]], stop: threading.Event) -> None:
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(timeout=60)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+@dataclass
+class Phase:
+    name: str
+    load: Load
+    figures: Figures
+
+
+def run_phase(
+    name: str,
+    probe: Callable[[], Figures],
+    a_load: Callable[[threading.Event, Load], None] | None,
+    load: Load | None = None,
+    warmup_s: float = 2.0,
+) -> Phase:
+    load = load or Load()
+    stop = threading.Event()
+    thread = None
+    if a_load is not None:
+        thread = threading.Thread(target=a_load, args=(stop, load), daemon=True)
+        thread.start()
+        time.sleep(warmup_s)  # A's load is running before B measures
+    say(f"phase {name}: tenant B measuring")
+    try:
+        figures = probe()
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=90)
+    return Phase(name, load, figures)
+
+
+def table(phases: list[Phase]) -> list[str]:
+    idle = phases[0].figures
+    base = {
+        "ttft": (quantile(idle.ttft, 0.5), quantile(idle.ttft, 0.99)),
+        "api": (quantile(idle.api, 0.5), quantile(idle.api, 0.99)),
+    }
+    lines = [
+        "| tenant A | B TTFT p50 / p99 (ms) | x idle | B session API p50 / p99 (ms) | x idle "
+        "| B errors |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in phases:
+        f = p.figures
+        cells = []
+        for kind, values in (("ttft", f.ttft), ("api", f.api)):
+            if not values:
+                cells += ["-", "-"]
+                continue
+            p50, p99 = quantile(values, 0.5), quantile(values, 0.99)
+            b50, b99 = base[kind]
+            cells += [f"{p50 * 1e3:.1f} / {p99 * 1e3:.1f}", f"{p50 / b50:.2f} / {p99 / b99:.2f}"]
+        lines.append(f"| {p.name} | {' | '.join(cells)} | {len(f.errors)} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from examples.server_process import ServerProcess, equal_cores_env
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer turns, shorter generations")
+    ap.add_argument("--turns", type=int, default=None, help="B's turns per phase (24; quick 8)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="B's answer length")
+    ap.add_argument("--gen-tokens", type=int, default=None, help="A's generations (768; quick 256)")
+    ap.add_argument("--bodies", type=int, default=4, help="A's parallel oversized bodies")
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--reserved-cpus", type=int, default=0,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU of the server")  # fmt: skip
+    args = ap.parse_args(argv)
+    turns = args.turns or (8 if args.quick else 24)
+    gen_tokens = args.gen_tokens or (256 if args.quick else 768)
+
+    from server.model import build_default_model, build_tiny_model, default_cache_dir
+
+    if args.model == "tiny":  # 128-token blocks of 128 KiB
+        model_dir = build_tiny_model(
+            default_cache_dir() / "models" / "tiny-llama-h32", tokenizer_from=build_default_model()
+        )
+        tiers = ["--kv-ram-bytes", "32MiB", "--kv-disk-bytes", "128MiB"]
+        resident = "128MiB"
+    else:  # SmolLM2: 5.9 MB blocks, the tiers scaled to about the same block counts
+        model_dir = build_default_model()
+        tiers = ["--kv-ram-bytes", "1536MiB", "--kv-disk-bytes", "6GiB"]
+        resident = "768MiB"
+    flags = [
+        "--api-key", KEY_A, "--api-key", KEY_B, *tiers,
+        "--kv-cache-memory-bytes", resident, "--max-model-len", "2048",
+        "--max-num-seqs", str(MAX_NUM_SEQS),
+    ]  # fmt: skip
+    env = equal_cores_env(args.reserved_cpus)
+    started = time.perf_counter()
+    phases: list[Phase] = []
+    with ServerProcess(flags=flags, model=model_dir, progress=say, env=env) as server:
+        url = server.url
+        with client(url, KEY_B) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+        say(f"server up in {time.perf_counter() - started:.0f}s; flags: {' '.join(flags[4:])}")
+
+        def probe(phase: str) -> Callable[[], Figures]:
+            return lambda: b_probe(url, model, phase, turns, args.max_tokens)
+
+        b_probe(url, model, "warmup", 2, args.max_tokens)
+        phases.append(run_phase("idle", probe("idle"), None))
+        phases.append(
+            run_phase(
+                "(a) oversized bodies",
+                probe("bodies"),
+                lambda stop, load: oversized_bodies(url, model, stop, load, args.bodies),
+            )
+        )
+        pin_load = Load()
+        pinned = pin_setup(url, model, pin_load)
+        phases.append(
+            run_phase(
+                "(b) pinned to its quota",
+                probe("pins"),
+                lambda stop, load: pin_churn(url, stop, load, pinned),
+                pin_load,
+            )
+        )
+        pin_cleanup(url, pinned)
+        for streams, label in ((MAX_NUM_SEQS, "full batch"), (MAX_NUM_SEQS - 1, "batch - 1")):
+            phases.append(
+                run_phase(
+                    f"(c) long generations, {label}",
+                    probe(f"gen{streams}"),
+                    lambda stop, load, s=streams: long_generations(
+                        url, model, stop, load, s, gen_tokens
+                    ),
+                )
+            )
+        if not args.quick:
+            phases.append(run_phase("idle, again", probe("idle2"), None))
+        cores = server.omp_cores()
+    print()
+    print(f"model {args.model}, {turns} B turns per phase ({args.max_tokens} tokens each), "
+          f"4 session API calls after each; wall {time.perf_counter() - started:.0f}s")  # fmt: skip
+    for line in table(phases):
+        print(line)
+    print()
+    for p in phases[1:]:
+        print(f"tenant A during {p.name}: {p.load.summary()}")
+    for p in phases:
+        for err in p.figures.errors[:3]:
+            print(f"  B error in {p.name}: {err}")
+    print(f"server: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {cores}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
