@@ -79,8 +79,9 @@ def test_a_sleeping_tool_keeps_its_kv_in_ram_only_with_run_pins(
     assert on.pinned_in_tool and not off.pinned_in_tool
     # Pinned: nothing the session had in RAM left it while the others ran, and the next call
     # loads from RAM. (A fresh session does not always have its whole first turn in RAM when
-    # the pin lands; what pins promise is that nothing leaves RAM while they hold.)
-    assert on.ram_blocks == on.ram_blocks_before >= on.num_blocks - 1, on
+    # the pin lands, and its last block may reach RAM after the count before the tool: what
+    # pins promise is that nothing leaves RAM while they hold.)
+    assert on.ram_blocks >= on.ram_blocks_before >= on.num_blocks - 1, on
     assert on.hits.get("ram", 0) > 0, on
     assert on.hits.get("disk", 0) <= on.num_blocks - on.ram_blocks, on
     # Unpinned: the others pushed it out of RAM, and the next call loads it from disk.
