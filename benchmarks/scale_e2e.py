@@ -17,7 +17,10 @@ server starts on each, with the same flags, one after the other; the figures:
 - the scheduler's steps: vLLM's ``Scheduler.schedule`` plus ``update_from_output`` of each
   step, timed inside the engine process by a ``sitecustomize`` hook this script installs in
   the servers' environment (``LGKV_STEP_LOG_DIR``): the longest and p99 while the turns ran
-  (goal: none over 50 ms) and the longest while the start-up files were coming in.
+  (goal: none over 50 ms), the most CPU time the scheduler thread spent in one step (its
+  work; the rest of a step is time it waited for a core or the GIL), and the longest while the
+  files were coming in. ``--why-slow 0.05`` also writes every thread's stack when a step runs
+  past 50 ms and each garbage collection over 10 ms, to the kept work folder.
 
 Then the same with sessions in Redis (``--kv-redis-url``, database 5; ``--no-redis`` skips).
 
@@ -60,24 +63,61 @@ INDEXED = "block files indexed in"
 """The log line of a server whose start-up files are all indexed."""
 
 STEP_HOOK = """
-import importlib.abc, importlib.util, os, sys, time
+import gc, importlib.abc, importlib.util, os, sys, threading, time, traceback
 _DIR = os.environ.get("LGKV_STEP_LOG_DIR")
+_WHY = float(os.environ.get("LGKV_STEP_WHY_S") or 0)
+_NOW = {"t0": None, "tid": None, "dumped": False}
+
+def _watch():
+    # Samples every 5 ms; a step running past _WHY seconds gets every thread's stack written
+    # once (what the scheduler thread is doing, and who else holds the process meanwhile).
+    path = os.path.join(_DIR, f"why-{os.getpid()}.log")
+    while True:
+        time.sleep(0.005)
+        t0 = _NOW["t0"]
+        if t0 is None or _NOW["dumped"] or time.perf_counter() - t0 < _WHY:
+            continue
+        _NOW["dumped"] = True
+        names = {t.ident: t.name for t in threading.enumerate()}
+        with open(path, "a") as f:
+            f.write(f"=== {time.time():.4f} step running {time.perf_counter() - t0:.3f} s\\n")
+            for tid, frame in sys._current_frames().items():
+                if tid == threading.get_ident():
+                    continue
+                mark = " (scheduler)" if tid == _NOW["tid"] else ""
+                f.write(f"--- {names.get(tid, tid)}{mark}\\n")
+                f.write("".join(traceback.format_stack(frame)[-8:]))
+
+def _gc_log(phase, info, _t={}):
+    if phase == "start":
+        _t["t"] = time.perf_counter()
+    elif "t" in _t:
+        took = time.perf_counter() - _t.pop("t")
+        if took > 0.01:
+            with open(os.path.join(_DIR, f"gc-{os.getpid()}.log"), "a") as f:
+                f.write(f"{time.time():.4f} gen{info['generation']} {took:.3f}s\\n")
 
 def _patch(module):
     cls = module.Scheduler
     out = {}
+    if _WHY and not out.get("watch"):
+        out["watch"] = threading.Thread(target=_watch, daemon=True, name="step-why")
+        out["watch"].start()
+        gc.callbacks.append(_gc_log)
     def wrap(name, tag):
         orig = getattr(cls, name)
         def timed(self, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            _NOW.update(t0=t0, tid=threading.get_ident(), dumped=False)
             try:
                 return orig(self, *args, **kwargs)
             finally:
-                took = time.perf_counter() - t0
+                _NOW["t0"] = None
+                took, cpu = time.perf_counter() - t0, time.thread_time() - c0
                 f = out.get("f")
                 if f is None:
                     f = out["f"] = open(os.path.join(_DIR, f"{os.getpid()}.txt"), "a", buffering=1)
-                f.write(f"{time.time():.4f} {tag} {took:.6f}\\n")
+                f.write(f"{time.time():.4f} {tag} {took:.6f} {cpu:.6f}\\n")
         setattr(cls, name, timed)
     wrap("schedule", "s")
     wrap("update_from_output", "u")
@@ -256,18 +296,21 @@ def wait_indexed(s: Server, timeout_s: float = 600) -> None:
     print(f"  {s.name}: every block file indexed {s.indexed_s:.1f} s after the engine started")
 
 
-def steps(s: Server, since: float, until: float) -> list[float]:
-    """Durations of the engine's scheduler steps (schedule + update_from_output) in a window."""
+def steps(s: Server, since: float, until: float, *, cpu: bool = False) -> list[float]:
+    """Durations of the engine's scheduler steps (schedule + update_from_output) in a window:
+    wall clock, or with ``cpu`` the scheduler thread's CPU time (its own work, without the
+    time it waited for a core or the GIL)."""
     out: list[float] = []
+    col = 3 if cpu else 2
     for path in s.steps_dir.glob("*.txt"):
         pending: tuple[float, float] | None = None
         for line in path.read_text().splitlines():
-            t, tag, took = line.split()
+            t, tag, took = float(line.split()[0]), line.split()[1], float(line.split()[col])
             if tag == "s":
-                pending = (float(t), float(took))
+                pending = (t, took)
             elif pending is not None:
                 if since <= pending[0] <= until:
-                    out.append(pending[1] + float(took))
+                    out.append(pending[1] + took)
                 pending = None
     return out
 
@@ -318,7 +361,11 @@ def compare(work: Path, label: str, sizes: list[int], model: Path, manifest: Pat
         t0 = time.time()
         converse(servers, conversations, turns, seed)
         t1 = time.time()
-        return report(label, servers, t0, t1)
+        lines = report(label, servers, t0, t1)
+        note = machine_stalls(work, servers, t0, t1)
+        if note:
+            print(note, flush=True)
+        return [*lines, note] if note else lines
     finally:
         for s in servers:
             s.proc.stop()
@@ -333,8 +380,8 @@ def report(label: str, servers: list[Server], t0: float, t1: float) -> list[str]
         "| block files | launch to serving | connector built to serving (+-1 s) "
         "| engine start to every file indexed | TTFT p50 resumed "
         "turns | TTFT p50 all turns | cached share | steps | p99 step | longest step "
-        "| longest step while indexing |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| most CPU time in a step | longest step while indexing |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     p50: dict[str, float] = {}
     for s in servers:
@@ -343,18 +390,57 @@ def report(label: str, servers: list[Server], t0: float, t1: float) -> list[str]
         p50[s.name] = statistics.median(resumed)
         run = sorted(steps(s, t0, t1))
         warm = steps(s, 0.0, s.indexed_at)
+        cpu = max(steps(s, t0, t1, cpu=True), default=0.0)
         p99 = run[int(0.99 * (len(run) - 1))] if run else 0.0
         lines.append(
             f"| {s.files:,} | {s.serving_s:.1f} s | {s.connector_s:.0f} s | {s.indexed_s:.1f} s | "
             f"{p50[s.name] * 1e3:.1f} ms | {statistics.median(every) * 1e3:.1f} ms | "
             f"{s.cached / max(1, s.prompt):.0%} | {len(run)} | {p99 * 1e3:.1f} ms | "
-            f"{(run[-1] if run else 0) * 1e3:.1f} ms | {max(warm, default=0) * 1e3:.1f} ms |"
+            f"{(run[-1] if run else 0) * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | "
+            f"{max(warm, default=0) * 1e3:.1f} ms |"
         )
     small, large = servers[0], servers[-1]
     lines += ["", f"TTFT p50 of resumed turns, {large.files:,} / {small.files:,} files: "
               f"{p50[large.name] / p50[small.name]:.2f} (goal <= 1.1)", ""]  # fmt: skip
     print("\n".join(lines), flush=True)
     return lines
+
+
+PROBE = """
+import sys, time
+# Another process: sleeps 2 ms at a time and notes each wake-up later than 20 ms (when the
+# machine, not the engine, kept it off a core).
+with open(sys.argv[1], "a", buffering=1) as f:
+    while True:
+        t = time.perf_counter()
+        time.sleep(0.002)
+        late = time.perf_counter() - t - 0.002
+        if late > 0.02:
+            f.write(f"{time.time():.4f} {late:.4f}\\n")
+"""
+
+
+def machine_stalls(work: Path, servers: list[Server], t0: float, t1: float) -> str:
+    """With ``--why-slow``: how many steps over 50 ms overlapped a wake-up of the probe process
+    (:data:`PROBE`) that came more than 20 ms late, i.e. a moment the machine itself stalled."""
+    path = work / "probe.log"
+    if not path.exists():
+        return ""
+    stalls = [tuple(map(float, line.split())) for line in path.read_text().splitlines()]
+    long_steps = 0
+    shared = 0
+    for s in servers:
+        for f in s.steps_dir.glob("[0-9]*.txt"):
+            for line in f.read_text().splitlines():
+                end, _tag, took = line.split()[:3]
+                start, stop = float(end) - float(took), float(end)
+                if float(took) > 0.05 and t0 <= start <= t1:
+                    long_steps += 1
+                    shared += any(e - late <= stop and e >= start for e, late in stalls)
+    return (
+        f"Steps (schedule or update) over 50 ms: {long_steps}, of which {shared} overlapped a "
+        f"moment another process, sleeping 2 ms at a time, woke more than 20 ms late."
+    )
 
 
 def _clear_redis(ns: str) -> None:
@@ -376,8 +462,16 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="100 vs 3,000 files, 3 x 3 turns, SQLite")
     p.add_argument("--no-redis", action="store_true", help="skip the run with sessions in Redis")
+    p.add_argument("--only-redis", action="store_true", help="skip the run with SQLite")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, files)")
+    p.add_argument("--why-slow", type=float, default=0.0, metavar="SECONDS",
+                   help="write every thread's stack when a scheduler step runs past SECONDS, "
+                   "and each garbage collection over 10 ms (steps-*/why-*.log, gc-*.log; "
+                   "implies --keep)")  # fmt: skip
     args = p.parse_args()
+    if args.why_slow:
+        os.environ["LGKV_STEP_WHY_S"] = str(args.why_slow)
+        args.keep = True
     sizes = [int(s) for s in args.sizes]
     if args.quick:
         sizes, args.conversations, args.turns, args.no_redis = [100, 3000], 3, 3, True
@@ -386,11 +480,18 @@ def main() -> None:
     (work / "hook" / "sitecustomize.py").write_text(STEP_HOOK)
     print(f"work folder: {work}", flush=True)
     t = time.perf_counter()
+    probe = None
+    if args.why_slow:
+        import subprocess
+
+        probe = subprocess.Popen([sys.executable, "-c", PROBE, str(work / "probe.log")])
     try:
         model = tiny_model()
         manifest = layout(work, model, engine_flags(1 << 30))
-        out = compare(work, "sessions in SQLite", sizes, model, manifest, redis=False,
-                      conversations=args.conversations, turns=args.turns, seed=1)  # fmt: skip
+        out: list[str] = []
+        if not args.only_redis:
+            out += compare(work, "sessions in SQLite", sizes, model, manifest, redis=False,
+                           conversations=args.conversations, turns=args.turns, seed=1)  # fmt: skip
         if not args.no_redis:
             out += compare(work, "sessions in Redis (--kv-redis-url)", sizes, model, manifest,
                            redis=True, conversations=args.conversations, turns=args.turns,
@@ -398,6 +499,8 @@ def main() -> None:
         print(f"\n(run took {time.perf_counter() - t:.0f} s)\n")
         print("\n".join(out))
     finally:
+        if probe is not None:
+            probe.kill()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
