@@ -62,6 +62,14 @@ millisecond); larger ones in a worker thread."""
 LARGE_BODY_BYTES = 1 << 20
 """A key may have one body over this size in flight at a time (more get 429 before their body
 is read): parsing them (here and again in vLLM) takes CPU and the GIL from every tenant."""
+REFUSAL_HOLD_S = 1.0
+"""A large body refused (another of its key's in flight, or past ``--tenant-body-rate``) is
+answered after this long, or after the wait it was refused for when that is shorter, its
+body still unread: a client that retries at once then costs one connection and header parse
+per second per connection, not hundreds (benchmarks/tenants.py, phase (a): 4,080 refusals in
+one phase). Holding costs the event loop nothing."""
+MAX_HELD_REFUSALS = 64
+"""At most this many refusals are held at once; further ones are answered at once."""
 RESPONSES_PATH = "/v1/responses"
 SERVER_OWNED_FIELDS = ("kv_transfer_params",)
 """Body fields only the server sets; a request that sends one gets 400."""
@@ -167,6 +175,8 @@ class SessionRequestMiddleware:
         self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
         self._large_by_key: set[str] = set()
         """Tenants with a body over :data:`LARGE_BODY_BYTES` in flight."""
+        self._held = 0
+        """Refusals being held (:data:`REFUSAL_HOLD_S`)."""
         self._large = asyncio.Semaphore(1)
         """Bodies over :data:`INLINE_BODY_BYTES` are checked in a worker thread one at a
         time, so the event loop gets the GIL back between two parses."""
@@ -204,7 +214,7 @@ class SessionRequestMiddleware:
                     f"this key has a request body over {LARGE_BODY_BYTES} bytes in flight; "
                     "send large bodies one at a time"
                 )
-                await _unread(429, msg, "rate_limit_error")(scope, receive, send)
+                await self._refuse(scope, receive, send, msg, None, REFUSAL_HOLD_S)
                 return
             if await self._over_rate(scope, receive, send, headers, size):
                 return
@@ -230,8 +240,27 @@ class SessionRequestMiddleware:
         if not wait_s:
             return False
         msg, retry = self.body_budget.refusal(wait_s)
-        await _unread(429, msg, "rate_limit_error", retry)(scope, receive, send)
+        await self._refuse(scope, receive, send, msg, retry, min(wait_s, REFUSAL_HOLD_S))
         return True
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        message: str,
+        retry_after: int | None,
+        hold_s: float,
+    ) -> None:
+        """429 for a large body, held ``hold_s`` first while fewer than
+        :data:`MAX_HELD_REFUSALS` are (see :data:`REFUSAL_HOLD_S`)."""
+        if hold_s > 0 and self._held < MAX_HELD_REFUSALS:
+            self._held += 1
+            try:
+                await asyncio.sleep(hold_s)
+            finally:
+                self._held -= 1
+        await _unread(429, message, "rate_limit_error", retry_after)(scope, receive, send)
 
     async def _checked(
         self, scope: Scope, receive: Receive, send: Send, headers: Headers, path: str

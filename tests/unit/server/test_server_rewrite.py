@@ -298,3 +298,44 @@ async def test_a_key_past_its_body_rate_gets_429_with_retry_after() -> None:
         assert (await c.post("/v1/completions", content=big, headers=b)).status_code == 200
         small = json.dumps({"prompt": "hi"}).encode()
         assert (await c.post("/v1/completions", content=small, headers=a)).status_code == 200
+
+
+async def test_refused_large_bodies_are_held_and_past_the_bound_answered_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Senders that retried refused 2 MiB bodies at once made 4,080 refusals in one phase of
+    benchmarks/tenants.py, each a connection and a header parse: a refusal is now answered
+    after REFUSAL_HOLD_S (its body unread), and past MAX_HELD_REFUSALS held ones at once."""
+    import asyncio
+
+    from server.api import chat
+    from server.api.chat import LARGE_BODY_BYTES
+
+    monkeypatch.setattr(chat, "REFUSAL_HOLD_S", 30.0)
+    monkeypatch.setattr(chat, "MAX_HELD_REFUSALS", 1)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> JSONResponse:
+        await request.body()
+        entered.set()
+        await release.wait()
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
+    app.add_middleware(SessionRequestMiddleware, max_body_bytes=4 << 20, keys=KeyRing(("ka", "kb")))
+    big = json.dumps({"prompt": [1] * (LARGE_BODY_BYTES // 2)}).encode()
+    a = {"Authorization": "Bearer ka"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60
+    ) as c:
+        first = asyncio.create_task(c.post("/v1/completions", content=big, headers=a))
+        await entered.wait()
+        held = asyncio.create_task(c.post("/v1/completions", content=big, headers=a))
+        await asyncio.sleep(0.2)
+        assert not held.done()  # held (30 s here), the body unread
+        at_once = await c.post("/v1/completions", content=big, headers=a)
+        assert at_once.status_code == 429  # the one hold in use: answered at once
+        assert not held.done()
+        held.cancel()
+        release.set()
+        assert (await first).status_code == 200
