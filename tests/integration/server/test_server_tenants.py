@@ -44,6 +44,7 @@ def keyed(start_server: ServerFactory) -> ServerProcess:
         "--tenant-pin-share", "0.1", "--tenant-max-sessions", "40",
         "--tenant-max-unleased-pins", "2", "--max-pin-lease", "3600",
         "--tenant-body-rate", "256KiB",  # a second large body waits seconds
+        "--max-model-len", "4096",  # alice's long streams (test_one_key_cannot_fill_the_batch)
     )  # fmt: skip
 
 
@@ -365,8 +366,10 @@ def test_one_key_cannot_fill_the_batch(keyed: ServerProcess) -> None:
 
     # Alice's generations are as long as the context allows (a wave takes many times bob's
     # few tokens, even with the API process busy streaming hers on a loaded machine), and
-    # close once bob is served, so the test does not wait for them to run out.
-    alice = [threading.Thread(target=stream, args=(f"a{i}", ALICE, 1900)) for i in range(8)]
+    # close once bob is served, so the test does not wait for them to run out. (With 1900
+    # tokens a CI run saw her first wave end on its own before bob was served, and her
+    # queued streams' first lines read before her finished ones' last: 7 "at once".)
+    alice = [threading.Thread(target=stream, args=(f"a{i}", ALICE, 4000)) for i in range(8)]
     for t in alice:
         t.start()
     wait_until(lambda: sum(e == "first" for _, e in events) >= 4, "alice's first four")
@@ -381,7 +384,7 @@ def test_one_key_cannot_fill_the_batch(keyed: ServerProcess) -> None:
         if name.startswith("a"):
             (streaming.add if what == "first" else streaming.discard)(name)
             most = max(most, len(streaming))
-    assert most == 4, events  # alice never held more than half of the batch
+    assert most == 4, [f"{n}:{e}" for n, e in events]  # alice never held more than half
     order = [f"{n}:{e}" for n, e in events]
     alice_starts = [i for i, (n, e) in enumerate(events) if e == "first" and n != "b"]
     assert len(alice_starts) == 8, order
