@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -224,12 +225,9 @@ async def test_options_lists_every_method_of_the_path_with_a_key() -> None:
         assert (await c.options("/nowhere", headers=key)).status_code == 404
 
 
-async def test_a_key_sends_one_large_body_at_a_time() -> None:
-    """Four senders of 4 MiB bodies from one key slowed another key's first token 16x
-    (benchmarks/tenants.py): a key now has one body over LARGE_BODY_BYTES in flight; the next
-    gets 429 before it is read, while other keys and small bodies go on."""
-    import asyncio
-
+def _slow_keyed_app() -> tuple[Starlette, asyncio.Event, asyncio.Event, bytes]:
+    """Two keys in front of a completion route that reads the body, sets ``entered`` and
+    answers once ``release`` is set; and a body over LARGE_BODY_BYTES."""
     from server.api.chat import LARGE_BODY_BYTES
 
     entered, release = asyncio.Event(), asyncio.Event()
@@ -243,6 +241,16 @@ async def test_a_key_sends_one_large_body_at_a_time() -> None:
     app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
     app.add_middleware(SessionRequestMiddleware, max_body_bytes=4 << 20, keys=KeyRing(("ka", "kb")))
     big = json.dumps({"prompt": [1] * (LARGE_BODY_BYTES // 2)}).encode()
+    return app, entered, release, big
+
+
+async def test_a_key_sends_one_large_body_at_a_time() -> None:
+    """Four senders of 4 MiB bodies from one key slowed another key's first token 16x
+    (benchmarks/tenants.py): a key now has one body over LARGE_BODY_BYTES in flight; the next
+    gets 429 before it is read, while other keys and small bodies go on."""
+    from server.api.chat import LARGE_BODY_BYTES
+
+    app, entered, release, big = _slow_keyed_app()
     assert len(big) > LARGE_BODY_BYTES
     a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
     transport = httpx.ASGITransport(app=app)
@@ -306,24 +314,11 @@ async def test_refused_large_bodies_are_held_and_past_the_bound_answered_at_once
     """Senders that retried refused 2 MiB bodies at once made 4,080 refusals in one phase of
     benchmarks/tenants.py, each a connection and a header parse: a refusal is now answered
     after REFUSAL_HOLD_S (its body unread), and past MAX_HELD_REFUSALS held ones at once."""
-    import asyncio
-
     from server.api import chat
-    from server.api.chat import LARGE_BODY_BYTES
 
     monkeypatch.setattr(chat, "REFUSAL_HOLD_S", 30.0)
     monkeypatch.setattr(chat, "MAX_HELD_REFUSALS", 1)
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    async def slow(request: Request) -> JSONResponse:
-        await request.body()
-        entered.set()
-        await release.wait()
-        return JSONResponse({})
-
-    app = Starlette(routes=[Route("/v1/completions", slow, methods=["POST"])])
-    app.add_middleware(SessionRequestMiddleware, max_body_bytes=4 << 20, keys=KeyRing(("ka", "kb")))
-    big = json.dumps({"prompt": [1] * (LARGE_BODY_BYTES // 2)}).encode()
+    app, entered, release, big = _slow_keyed_app()
     a = {"Authorization": "Bearer ka"}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60
