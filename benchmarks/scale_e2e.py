@@ -305,7 +305,8 @@ def steps(s: Server, since: float, until: float, *, cpu: bool = False) -> list[f
     for path in s.steps_dir.glob("*.txt"):
         pending: tuple[float, float] | None = None
         for line in path.read_text().splitlines():
-            t, tag, took = float(line.split()[0]), line.split()[1], float(line.split()[col])
+            fields = line.split()
+            t, tag, took = float(fields[0]), fields[1], float(fields[col])
             if tag == "s":
                 pending = (t, took)
             elif pending is not None:
