@@ -299,6 +299,14 @@ class ServerConfig:
     together may hold; pinned blocks past it may be evicted like unpinned ones, so unpinned
     sessions always keep the rest. ``--tenant-pin-share`` bounds each key within it."""
 
+    kv_branch_blocks: int = setting(
+        64, flag="--kv-branch-blocks", env="LGKV_KV_BRANCH_BLOCKS", parse=parse_int,
+        connector="branch_blocks", help="blocks a session keeps for its other call streams",
+    )  # fmt: skip
+    """Blocks a session keeps listed beyond its last call's: the paths of its other call
+    streams (a tool's own model calls, a summarizer), forks and rewinds, most recent first, so
+    each stream's next call still finds its tail. 0: a session is its last call's blocks."""
+
     cache_dir: Path = setting(  # noqa: RUF009 (a field declaration)
         default_factory=_default_cache_dir, flag="--cache-dir", env="LGKV_CACHE_DIR",
         parse=parse_path, help="session registry + blocks folder",
@@ -389,6 +397,8 @@ class ServerConfig:
         for name in ("session_calls_per_key", "tenant_max_sessions", "tenant_max_unleased_pins"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.kv_branch_blocks < 0:
+            raise ConfigError("--kv-branch-blocks must be >= 0")
         if self.max_pin_lease is None or self.max_pin_lease <= 0:
             raise ConfigError("--max-pin-lease must be a number of seconds > 0")
         if any(not k for k in self.api_keys):

@@ -24,8 +24,9 @@ class LoadItem:
     slot: int
     source: str
     partial: bool = False
-    """A tail block: the step that loads it computes its later slots, so a synchronous load
-    copies it before the forward, not layer by layer during it."""
+    """A block used up to a token inside it (a tail, or a block a rewind or fork shares
+    part of): the step that loads it computes its later slots, so a synchronous load copies it
+    before the forward, not layer by layer during it."""
 
     @property
     def from_disk(self) -> bool:

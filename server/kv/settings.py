@@ -73,6 +73,11 @@ class ConnectorSettings:
     """Share (0..1) of each tier's blocks that may rank as pinned at once; further pinned
     blocks may be evicted like unpinned ones (:mod:`server.kv.scheduler.eviction_order`)."""
 
+    branch_blocks: int = 64
+    """Blocks a session keeps listed beyond its last call's path: its other continuations
+    (other call streams, forks, rewinds), most recent first (:mod:`server.kv.scheduler.
+    continuations`). 0: a session is its last call's blocks only."""
+
     @property
     def registry_path(self) -> Path:
         """Path of the SQLite session registry (with Redis: this replica's local part)."""
@@ -136,6 +141,7 @@ class ConnectorSettings:
             default_gap_s=_positive_float(extra, "default_gap_s"),
             min_gap_s=_positive_float(extra, "min_gap_s"),
             pin_share=_share(extra, "pin_share"),
+            branch_blocks=_count(extra, "branch_blocks"),
         )
 
 
@@ -143,6 +149,13 @@ def _non_negative_int(extra: dict[str, Any], key: str) -> int:
     value = extra.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SettingsError(f"kv_connector_extra_config[{key!r}] must be an integer >= 0 bytes")
+    return value
+
+
+def _count(extra: dict[str, Any], key: str) -> int:
+    value = extra.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SettingsError(f"kv_connector_extra_config[{key!r}] must be an integer >= 0")
     return value
 
 

@@ -37,6 +37,7 @@ from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
 from server.kv.registry.shared import open_registry
+from server.kv.scheduler.continuations import Continuations, branch_blocks
 from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
 from server.kv.scheduler.index import BlockIndex, BlockState
 from server.kv.scheduler.policy import EvictionPolicy
@@ -44,7 +45,7 @@ from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
-from server.kv.scheduler.tails import TailBook
+from server.kv.scheduler.tails import TailBook, parent_of
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.redis import RedisStore
@@ -123,6 +124,8 @@ class SessionKVScheduler:
         self._step_open = False
         """The registry's events were applied in this step already."""
         self.tails = TailBook(block_size)
+        self.continuations = Continuations(block_size)
+        """Token ids of stored blocks: reuse up to the last shared token (a session tree)."""
         self.sync.write("block tier reset", lambda reg: reg.reset_block_tiers())
         scan = disk_files if isinstance(disk_files, FileScan) else None
         self._warm = WarmUp(
@@ -177,6 +180,9 @@ class SessionKVScheduler:
             tier_of = functools.partial(_local_or_redis, self.index.tier_of, in_redis)
         misses = max(0, end - start - len(keys))
         tail = self.tails.find(request, start + len(keys), tier_of)
+        partial = self.continuations.find(request, start + len(keys), tier_of)
+        if partial is not None and (tail is None or partial.tokens > tail.tokens):
+            tail = partial  # a block shared up to a token inside it: a rewind, a fork
         self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail)
         if not keys and tail is None:
             return 0, False
@@ -261,6 +267,7 @@ class SessionKVScheduler:
             done = num_computed + num_scheduled_tokens.get(req_id, 0)
             hashes = tracked.request.block_hashes
             full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
+            self.continuations.learn_blocks(tracked.request, tracked.saved_upto, full)
             for i in range(tracked.saved_upto, full):
                 key = block_key(hashes[i])
                 if key in self.index.blocks:
@@ -272,6 +279,8 @@ class SessionKVScheduler:
             self._plan_saves(wanted)
         if self.tails.has_pending():
             self.tails.plan(self.index, self._plan_saves, self._plan.release)
+        index = self.index
+        self.continuations.prune(lambda k: k in index.blocks, 2 * len(index.blocks) + 1024)
         if not scheduled and self._plan.is_empty() and not self.index.removes:
             # Nothing runs: the engine only polls for loads or writes to finish. Yield the
             # CPU (and the GIL) to the I/O thread instead of spinning.
@@ -342,10 +351,13 @@ class SessionKVScheduler:
         keys = [block_key(h) for h in request.block_hashes[:num_blocks]]
         ram_on = bool(self.index.num_slots) and not tracked.loading
         tail = self.tails.on_finished(request, block_ids, computed, ram_on)
-        keys += [tail] if tail is not None else []
+        if tail is not None:
+            keys.append(tail)
+            self.continuations.learn_tail(request, tail, computed // self.block_size)
         now = time.time()
         self._warm.settle(tenant, sid)  # its snapshot item first, if still to come
         old = self.policy.keys_of(tenant, sid)
+        keys = self._with_branches(request, keys, old)
         self.policy.note_turn(tenant, sid, keys, now)
         self.tails.supersede(old, keys, self.policy, self.index)
         tokens, ttl = request.num_computed_tokens, self.settings.default_ttl_s
@@ -355,6 +367,16 @@ class SessionKVScheduler:
         )
         self.flush()
         return tail is not None
+
+    def _with_branches(self, request: Any, path: list[str], old: list[str]) -> list[str]:
+        """The turn's path and the session's other continuations (a session is a tree)."""
+        token_ids = getattr(request, "all_token_ids", None)
+        if token_ids is None or not old:
+            return path
+        root = parent_of(request, 0)
+        return branch_blocks(
+            path, old, token_ids, self.block_size, root, self.settings.branch_blocks
+        )
 
     def flush(self, force: bool = False) -> None:
         """Queue block locations and counters for the registry (throttled unless forced)."""

@@ -65,6 +65,20 @@ def parent_of(request: Any, full_blocks: int) -> str:
     return tail_root(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None))
 
 
+def keep_alive(children: dict[str, dict[str, Any]], alive: Callable[[str], bool]) -> int:
+    """Drop the children (parent key -> {key: value}) ``alive`` says no tier holds, and the
+    parents left without any; return how many children remain."""
+    left = 0
+    for parent in list(children):
+        kept = {k: v for k, v in children[parent].items() if alive(k)}
+        if kept:
+            children[parent] = kept
+            left += len(kept)
+        else:
+            del children[parent]
+    return left
+
+
 class TailBook:
     """Which tails exist (by parent key) and which wait to be saved."""
 
@@ -87,16 +101,8 @@ class TailBook:
     def prune(self, alive: Callable[[str], bool], limit: int) -> None:
         """Forget tails no tier holds once more than ``limit`` were learnt since the last
         prune (bounds the memory of tails evicted or dropped meanwhile)."""
-        if self._learnt <= limit:
-            return
-        self._learnt = 0
-        for parent in list(self._by_parent):
-            tails = {k: n for k, n in self._by_parent[parent].items() if alive(k)}
-            if tails:
-                self._by_parent[parent] = tails
-                self._learnt += len(tails)
-            else:
-                del self._by_parent[parent]
+        if self._learnt > limit:
+            self._learnt = keep_alive(self._by_parent, alive)
 
     def after(self, parents: list[str]) -> list[str]:
         """The known tails that continue any of the blocks ``parents`` (longest first per
@@ -177,7 +183,7 @@ class TailBook:
         if wanted:
             save(wanted)
         release.extend(t.req_id for t in pending)
-        self.prune(lambda k: k in index.blocks, 2 * index.num_slots + 1024)
+        self.prune(lambda k: k in index.blocks, 2 * len(index.blocks) + 1024)
 
     @staticmethod
     def supersede(

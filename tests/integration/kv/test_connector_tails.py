@@ -71,7 +71,9 @@ def test_tail_covering_the_whole_prompt_leaves_its_last_token(llm: Any, registry
     assert got.num_cached_tokens == len(p2) - 1  # vLLM computes at least one token
 
 
-def test_tail_of_another_prompt_is_not_used(llm: Any, registry: Registry) -> None:
+def test_tail_of_another_prompt_is_used_up_to_the_first_difference(
+    llm: Any, registry: Registry
+) -> None:
     p1 = tokens(131, BLOCK + 60)
     first = turn(llm, p1, "tail-other")
     p2 = [*p1[:-1], p1[-1] + 1, *first.tokens]  # differs inside the tail
@@ -79,4 +81,44 @@ def test_tail_of_another_prompt_is_not_used(llm: Any, registry: Registry) -> Non
     before = hits(registry, "ram", "tails")
     got = turn(llm, p2, "tail-other")
     same_answer(got, ref)
-    assert got.num_cached_tokens == BLOCK and hits(registry, "ram", "tails") == before
+    # the tail's tokens before the changed one (a rewind into a tail: continuations.py)
+    assert got.num_cached_tokens == len(p1) - 1 and hits(registry, "ram", "tails") == before + 1
+
+
+# A session is a tree (server/kv/scheduler/continuations.py): every call stream keeps its tail,
+# and a rewind or fork reuses a stored block up to the last token it shares.
+
+
+def test_a_nested_call_stream_keeps_the_threads_tail(llm: Any, registry: Registry) -> None:
+    p1 = tokens(141, 2 * BLOCK + 50)
+    first = turn(llm, p1, "tree-nested")  # the agent's call
+    q1 = tokens(142, BLOCK + 30)
+    nested = turn(llm, q1, "tree-nested")  # a tool's own model call in the same thread
+    keys = registry.session_keys(TENANT, "tree-nested")
+    assert len([k for k in keys if parse_tail_key(k)]) == 2  # both streams' tails
+    p2 = p1 + first.tokens + tokens(143, 20)
+    ref = turn(llm, p2, None, cache=False)
+    got = turn(llm, p2, "tree-nested")
+    same_answer(got, ref)
+    assert got.num_cached_tokens == len(p1) + len(first.tokens) - 1
+    assert share(got.num_cached_tokens, p1, first.tokens, "agent after a nested call") >= 0.99
+    q2 = q1 + nested.tokens + tokens(144, 20)  # and the nested stream's next call
+    ref = turn(llm, q2, None, cache=False)
+    got = turn(llm, q2, "tree-nested")
+    same_answer(got, ref)
+    assert got.num_cached_tokens == len(q1) + len(nested.tokens) - 1
+    assert share(got.num_cached_tokens, q1, nested.tokens, "nested call after the agent") >= 0.99
+
+
+def test_a_rewind_reuses_up_to_the_last_shared_token(llm: Any, registry: Registry) -> None:
+    p1 = tokens(151, 3 * BLOCK + 40)
+    turn(llm, p1, "tree-rewind")
+    for shared in (BLOCK + 41, 87):  # inside a full block; inside the first block
+        p2 = p1[:shared] + tokens(152 + shared, 25)  # back to a checkpoint, a new message
+        ref = turn(llm, p2, None, cache=False)
+        before = hits(registry, "ram", "tails")
+        got = turn(llm, p2, "tree-rewind")
+        same_answer(got, ref)
+        print(f"\nrewind sharing {shared} tokens: cached {got.num_cached_tokens}")
+        assert got.num_cached_tokens == shared
+        assert hits(registry, "ram", "tails") == before + 1  # the block, loaded in part

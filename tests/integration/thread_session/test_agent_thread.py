@@ -44,6 +44,9 @@ QUESTIONS = (
     "Summarise the weights we discussed.",
 )
 COVER = 0.9
+TREE_COVER = 0.99
+"""A fork's and a rewind's first turn: the session's tree holds the block they leave inside
+(server/kv/scheduler/continuations.py), so only their new tokens are computed."""
 
 
 def _ask(
@@ -106,7 +109,7 @@ def test_agent_thread_keeps_its_kv_in_step(
 
         forked = _ask(graph, b, "What did we find about item 12?")
         print(f"  fork's first turn: {forked} cover {forked.cover(turns[-1]):.1%}")
-        assert forked.cover(turns[-1]) >= COVER
+        assert forked.cover(turns[-1]) >= TREE_COVER
 
         # Rewind the fork to the checkpoint after turn 2 and continue from there.
         after_two = next(
@@ -121,7 +124,7 @@ def test_agent_thread_keeps_its_kv_in_step(
             )
         )
         print(f"  rewind to turn 2: {rewound} cover {rewound.cover(turns[1]):.1%}")
-        assert rewound.cover(turns[1]) >= COVER
+        assert rewound.cover(turns[1]) >= TREE_COVER  # up to its last shared token
 
         # delete_thread: the session leaves the server, its own blocks' files leave the disk.
         keys = registry_keys(cache_dir)

@@ -156,6 +156,7 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "default_gap_s": 60.0,
         "min_gap_s": 30.0,
         "pin_share": 0.5,
+        "branch_blocks": 64,
     }
     json.dumps(ktc.kv_connector_extra_config)  # plain JSON, travels to the engine process
 
