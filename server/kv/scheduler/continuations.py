@@ -27,7 +27,10 @@ Contracts (the scheduler side: no torch, never blocks):
   this process computes them again.
 - Per lookup: one parent's children, at most :data:`MAX_CHILDREN` (most recent kept), each
   compared by a binary search over byte slices: O(children x log block_size), independent of
-  how much the cache holds. Memory: 4 bytes per stored token, forgotten with the block.
+  how much the cache holds. Memory: about 1 KB per stored block of 128 tokens (975 bytes
+  measured with ``tracemalloc``: the packed ids, the keys, the dict entries), at most about
+  twice the blocks the index holds (pruned like tails); next to the block itself (11.8 MB for
+  SmolLM2 in float32) it is noise.
 """
 
 from __future__ import annotations

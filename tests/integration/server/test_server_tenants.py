@@ -101,6 +101,19 @@ def _chat_body(model: str, **extra: object) -> dict[str, object]:
             **extra}  # fmt: skip
 
 
+BLOCK = 128
+"""Tokens per block on CPU. A key's request may read a block of its own up to its last shared
+token (server/kv/scheduler/continuations.py): the chat template and the first words its
+earlier prompts share, less than a block here, since no two prompts of a test share a first
+block. Another key's KV would show as whole blocks: the prompts below are 600 tokens that the
+other key has cached (>= 256 read back)."""
+
+
+def _own_only(cached: int) -> bool:
+    """No block of another key's: less than one block read (only the key's own prefix)."""
+    return cached < BLOCK
+
+
 def _cached(r: httpx.Response) -> int:
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
@@ -113,7 +126,7 @@ def test_no_route_reads_or_replaces_another_tenants_kv(keyed: ServerProcess) -> 
         model = keyed.model
         first = c.post("/v1/chat/completions", json=_chat_body(model, session_id="vault"),
                        headers=ALICE)  # fmt: skip
-        assert _cached(first) == 0
+        assert _own_only(_cached(first))
         assert _cached(c.post("/v1/chat/completions", json=_chat_body(model, session_id="vault"),
                               headers=ALICE)) >= 256  # fmt: skip
         alice_session = c.get("/v1/sessions/vault", headers=ALICE).json()
@@ -138,9 +151,10 @@ def test_no_route_reads_or_replaces_another_tenants_kv(keyed: ServerProcess) -> 
                         "max_output_tokens": 2}  # fmt: skip
             for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion),
                                ("/v1/responses", response)):  # fmt: skip
-                assert _cached(c.post(path, json=body, headers=ALICE)) == 0
+                assert _own_only(_cached(c.post(path, json=body, headers=ALICE)))
                 assert _cached(c.post(path, json=body, headers=ALICE)) >= 256  # hers, cached
-                assert _cached(c.post(path, json={**body, **extra}, headers=BOB)) == 0, extra
+                bob = _cached(c.post(path, json={**body, **extra}, headers=BOB))
+                assert _own_only(bob), (bob, extra)
         for path in VLLM_GENERATION_ROUTES:
             body = {**_chat_body(model), "input": PROMPT, "cache_salt": f"lgkv-{tenant}",
                     "vllm_xargs": {"tenant": tenant, "session_id": "vault"}}  # fmt: skip
@@ -184,7 +198,7 @@ def test_tenants_are_isolated(keyed: ServerProcess) -> None:
 
         # Same text, other tenant: its own salt, so none of alice's blocks are reused.
         theirs = c.post("/v1/completions", json=body, headers=BOB).json()
-        assert theirs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _own_only(theirs["usage"]["prompt_tokens_details"]["cached_tokens"])
         bob_session = c.get("/v1/sessions/same-name", headers=BOB).json()
         assert bob_session["tenant"] != mine["tenant"]
 
@@ -257,7 +271,7 @@ def test_quotas_keep_room_for_other_tenants(keyed: ServerProcess) -> None:
 
         bob = _chat_body(model, session_id="bob-works")
         bob["messages"] = [{"role": "user", "content": f"Bob's own work. {PROMPT}"}]
-        assert _cached(c.post("/v1/chat/completions", json=bob, headers=BOB)) == 0
+        assert _own_only(_cached(c.post("/v1/chat/completions", json=bob, headers=BOB)))
         assert _cached(c.post("/v1/chat/completions", json=bob, headers=BOB)) >= 256
         tiers: dict = {}
         for _ in range(50):  # the engine publishes block locations moments after the turn
@@ -409,13 +423,13 @@ def test_the_responses_api_is_served_with_the_same_tenancy(keyed: ServerProcess)
         assert r.status_code == 200, r.text
         return int(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
 
-    assert cached(respond(ALICE)) == 0
+    assert _own_only(cached(respond(ALICE)))
     assert cached(respond(ALICE)) >= 256  # the session's KV, as for chat
     with keyed.client() as c:
         wait_until(lambda: c.get("/v1/sessions/resp-s", headers=ALICE).status_code == 200,
                    "alice's responses session")  # fmt: skip
         assert c.get("/v1/sessions/resp-s", headers=BOB).status_code == 404
-    assert cached(respond(BOB)) == 0  # same text and session name, another tenant: no hit
+    assert _own_only(cached(respond(BOB)))  # same text and session name, another tenant
     for field, value in (("previous_response_id", "resp_123"), ("background", True)):
         refused = respond(ALICE, **{field: value})
         assert refused.status_code == 400 and field in refused.json()["error"]["message"]

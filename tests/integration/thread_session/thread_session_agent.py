@@ -11,7 +11,6 @@ with the same system turn and the KV of the history is reusable.
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -24,6 +23,7 @@ from langgraph.graph.message import add_messages
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
+from benchmarks.agent_streams import Call
 from langgraph_kvcache import ChatKVCache
 
 BLOCK_TOKENS = 128
@@ -86,17 +86,9 @@ def build_agent(
     return builder.compile(checkpointer=checkpointer)
 
 
-@dataclass(frozen=True)
-class Turn:
-    """Token counts of a turn's answering model call."""
-
-    prompt: int
-    completion: int
-    cached: int
-
-    def cover(self, previous: Turn) -> float:
-        """Share of the previous turn's context (prompt + completion) read from the cache."""
-        return self.cached / (previous.prompt + previous.completion)
+Turn = Call
+"""Token counts of a turn's answering model call; ``cover(previous)``: the share of the previous
+turn's context (prompt + completion) read from the cache."""
 
 
 def turn_of(result: dict[str, Any]) -> Turn:
