@@ -20,12 +20,15 @@ PYTEST = $$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dis
 setup:
 	@bash scripts/setup-env.sh
 
+SOURCES = langgraph_kvcache server tests benchmarks examples
+
 lint:
-	@v=$(VENV); $$v/bin/ruff check langgraph_kvcache server tests benchmarks examples
+	@v=$(VENV); set -e; $$v/bin/ruff check $(SOURCES); $$v/bin/ruff format --check $(SOURCES)
 
 test:
 	@v=$(VENV); set -e; \
-	$$v/bin/ruff check langgraph_kvcache server tests benchmarks examples; \
+	$$v/bin/ruff check $(SOURCES); \
+	$$v/bin/ruff format --check $(SOURCES); \
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-long:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from langgraph_kvcache.sessions import session_id_for as session_id_for
     from langgraph_kvcache.trim import trim_messages_stepped as trim_messages_stepped
 
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -28,14 +28,13 @@ from server.config import (
     connector_extra_config,
     redis_namespace,
 )
-from server.kv.layout import connector_class_for
+from server.kv.layout import transfer_config
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import EngineClient
 
 TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 """ChatML with hermes-style tool calls, for ChatML models whose template has no tools."""
-CONNECTOR_MODULE = "server.kv.connector"
 FORCED_TEXT_PROCESSOR = "server.forced_text:WholeForcedTokens"
 """The vLLM logits processor of ``--whole-forced-tokens`` (``module:class``; vLLM imports it in
 the engine's worker)."""
@@ -152,16 +151,11 @@ def vllm_argv(config: ServerConfig) -> list[str]:
                 "--kv-transfer-config conflicts with the session KV connector; "
                 "add --no-kv-offload to run your own connector."
             )
-        ktc = {
-            "kv_connector": connector_class_for(model),
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                **connector_extra_config(config, model),
-                "redis_namespace": redis_namespace(config, served_name),
-            },
+        extra = {
+            **connector_extra_config(config, model),
+            "redis_namespace": redis_namespace(config, served_name),
         }
-        argv += ["--kv-transfer-config", json.dumps(ktc)]
+        argv += ["--kv-transfer-config", json.dumps(transfer_config(extra, model))]
     return argv + list(config.vllm_args)
 
 

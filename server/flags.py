@@ -36,9 +36,7 @@ def add_flags(parser: argparse.ArgumentParser, *, include_vllm: bool) -> None:
         elif s.many:
             target.add_argument(s.flag, dest=name, nargs="+", action="extend", help=s.help)
         else:
-            target.add_argument(
-                s.flag, dest=name, type=_argtype(s), choices=s.choices, help=s.help
-            )
+            target.add_argument(s.flag, dest=name, type=_argtype(s), choices=s.choices, help=s.help)
 
 
 def _argtype(s: Setting) -> Any:

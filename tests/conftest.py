@@ -179,4 +179,3 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     with fresh_pg_database(request.getfixturevalue("pg_admin")) as url:
         yield url
-

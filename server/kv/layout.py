@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.disk import Manifest
@@ -34,6 +34,21 @@ HYBRID_CONNECTOR = "HybridSessionKVConnector"
 """The connector's two classes (module ``server.kv.connector``): vLLM runs models with
 recurrent-state layers (Mamba, linear attention next to attention) only with its hybrid KV
 cache manager, which it keeps on only for a connector that declares ``SupportsHMA``."""
+CONNECTOR_MODULE = "server.kv.connector"
+"""The module vLLM imports the connector class from."""
+
+
+def transfer_config(extra: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """vLLM's KV transfer config selecting the session connector (the server's
+    ``--kv-transfer-config``, and ``KVTransferConfig(**...)`` for offline engines): both roles
+    in every process, ``extra`` as ``kv_connector_extra_config`` (keys: docs/configuration.md),
+    the class :func:`connector_class_for` picks for ``model`` (without one, the plain class)."""
+    return {
+        "kv_connector": connector_class_for(model) if model else CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def connector_class_for(model: str) -> str:

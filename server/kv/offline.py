@@ -24,14 +24,9 @@ def transfer_config(extra: dict[str, Any], model: str | None = None) -> Any:
     that lets vLLM run it (:func:`~server.kv.layout.connector_class_for`)."""
     from vllm.config import KVTransferConfig
 
-    from server.kv.layout import CONNECTOR, connector_class_for
+    from server.kv import layout
 
-    return KVTransferConfig(
-        kv_connector=connector_class_for(model) if model else CONNECTOR,
-        kv_connector_module_path="server.kv.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )
+    return KVTransferConfig(**layout.transfer_config(extra, model))
 
 
 class PrefixCacheBusy(RuntimeError):
