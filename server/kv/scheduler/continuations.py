@@ -127,6 +127,17 @@ class Continuations:
             return None
         return TailHit(found[0], full_blocks, found[1], found[2])
 
+    def session_blocks(
+        self, request: Any, path: list[str], old: list[str], limit: int
+    ) -> list[str]:
+        """The session's block list after the request's turn: its ``path``, then the other
+        continuations of ``old`` (:func:`branch_blocks`, at most ``limit`` blocks)."""
+        token_ids = getattr(request, "all_token_ids", None)
+        if token_ids is None or not old:
+            return path
+        root = parent_of(request, 0)
+        return branch_blocks(path, old, token_ids, self.block_size, root, limit)
+
     def knows(self, parent: str, key: str) -> bool:
         """True if ``key`` is remembered as a child of ``parent``."""
         return key in self._children.get(parent, ())

@@ -37,7 +37,7 @@ from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
 from server.kv.registry.shared import open_registry
-from server.kv.scheduler.continuations import Continuations, branch_blocks
+from server.kv.scheduler.continuations import Continuations
 from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
 from server.kv.scheduler.index import BlockIndex, BlockState
 from server.kv.scheduler.policy import EvictionPolicy
@@ -45,7 +45,7 @@ from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
-from server.kv.scheduler.tails import TailBook, parent_of
+from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
 from server.kv.tiers.redis import RedisStore
@@ -357,7 +357,7 @@ class SessionKVScheduler:
         now = time.time()
         self._warm.settle(tenant, sid)  # its snapshot item first, if still to come
         old = self.policy.keys_of(tenant, sid)
-        keys = self._with_branches(request, keys, old)
+        keys = self.continuations.session_blocks(request, keys, old, self.settings.branch_blocks)
         self.policy.note_turn(tenant, sid, keys, now)
         self.tails.supersede(old, keys, self.policy, self.index)
         tokens, ttl = request.num_computed_tokens, self.settings.default_ttl_s
@@ -367,16 +367,6 @@ class SessionKVScheduler:
         )
         self.flush()
         return tail is not None
-
-    def _with_branches(self, request: Any, path: list[str], old: list[str]) -> list[str]:
-        """The turn's path and the session's other continuations (a session is a tree)."""
-        token_ids = getattr(request, "all_token_ids", None)
-        if token_ids is None or not old:
-            return path
-        root = parent_of(request, 0)
-        return branch_blocks(
-            path, old, token_ids, self.block_size, root, self.settings.branch_blocks
-        )
 
     def flush(self, force: bool = False) -> None:
         """Queue block locations and counters for the registry (throttled unless forced)."""
