@@ -39,7 +39,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from server.kv.keys import block_key, parse_tail_key, tail_key
+from server.kv.keys import parse_tail_key, tail_key
 from server.kv.scheduler.tails import TailHit, keep_alive, parent_of
 
 MAX_CHILDREN = 16
@@ -86,17 +86,18 @@ class Continuations:
         if len(children) > MAX_CHILDREN:
             del children[next(iter(children))]  # the oldest learnt
 
-    def learn_blocks(self, request: Any, first: int, last: int) -> None:
-        """Note the request's full blocks ``first`` to ``last - 1`` (computed or loaded)."""
+    def learn_blocks(self, request: Any, first: int, keys: list[str]) -> None:
+        """Note the request's full blocks from block ``first`` on, whose keys are ``keys``
+        (computed or loaded)."""
         token_ids = _token_ids(request)
-        if token_ids is None:
+        if token_ids is None or not keys:
             return
-        bs, hashes = self.block_size, request.block_hashes
-        for i in range(first, min(last, len(hashes))):
-            key = block_key(hashes[i])
-            parent = parent_of(request, i)
+        bs = self.block_size
+        parent = parent_of(request, first)
+        for i, key in enumerate(keys, first):
             if not self.knows(parent, key):
                 self.learn(parent, key, list(token_ids[i * bs : (i + 1) * bs]))
+            parent = key
 
     def learn_tail(self, request: Any, key: str, full_blocks: int) -> None:
         """Note the request's tail ``key`` after its first ``full_blocks`` blocks (just

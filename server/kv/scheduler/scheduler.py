@@ -267,9 +267,10 @@ class SessionKVScheduler:
             done = num_computed + num_scheduled_tokens.get(req_id, 0)
             hashes = tracked.request.block_hashes
             full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
-            self.continuations.learn_blocks(tracked.request, tracked.saved_upto, full)
-            for i in range(tracked.saved_upto, full):
-                key = block_key(hashes[i])
+            first = tracked.saved_upto
+            new_keys = [block_key(h) for h in hashes[first:full]]
+            self.continuations.learn_blocks(tracked.request, first, new_keys)
+            for i, key in enumerate(new_keys, first):
                 if key in self.index.blocks:
                     self.index.touch(key)
                 elif all(key != k for _, k in wanted):
