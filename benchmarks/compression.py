@@ -75,15 +75,16 @@ def codec_cost(model: Path, batch: int, reps: int) -> None:
     """Microseconds per block of RamPool.save (paged -> slot, encode) and .load (decode)."""
     import torch
 
+    from server.kv.groups import LayerBlocks
     from server.kv.tiers.codec import BlockCodec, fp8_available
     from server.kv.tiers.ram import RamPool
 
     layers, heads, head, block = model_geometry(model)
     shape = (heads, 2 * block, head)
     g = torch.Generator().manual_seed(0)
-    kv = [torch.randn(2 * batch, *shape, generator=g) for _ in range(layers)]
-    ids, slots = list(range(batch)), list(range(batch))
-    back = list(range(batch, 2 * batch))
+    kv = [torch.randn(2 * batch + 1, *shape, generator=g) for _ in range(layers)]
+    ids, slots = LayerBlocks(range(1, batch + 1)), list(range(batch))  # block 0 is vLLM's null
+    back = LayerBlocks(range(batch + 1, 2 * batch + 1))
     print(f"\n{batch} blocks per call, median of {reps}, torch threads {torch.get_num_threads()}")
     print("format     save us/block (min)  load us/block (min)  (paged <-> RAM slot, with copy)")
     for name in FORMATS:

@@ -29,7 +29,6 @@ float.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import random
 import statistics
@@ -116,7 +115,7 @@ def measure(llm: Any, blocks: int, reps: int, new: int) -> dict[str, Any]:
     w = worker()
     own = w.layer_loads
     assert own is not None and w.pool is not None, "no copy thread (CUDA, or no RAM tier)"
-    copy = functools.partial(w.pool.load_layer, w.kv)
+    copy = w._copy_layer
     loaders = {
         "layer-wise/1": LayerLoads(w.layers, copy, 1),
         "layer-wise/all": LayerLoads(w.layers, copy, torch.get_num_threads()),

@@ -52,6 +52,21 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
+    # Sliding-window and global attention layers side by side (Gemma 3's pattern): with the
+    # hybrid KV cache manager they are two KV cache groups, the sliding one holding only the
+    # blocks inside its 256-token window.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 256,
+            # its own output head: Gemma scales the input embeddings by sqrt(hidden_size), so
+            # with tied ones every step would repeat its input token
+            "tie_word_embeddings": False,
+        },
+    ),
     # Hybrids that need vLLM's hybrid KV cache manager (several KV cache groups): a Mamba-2
     # layer and an attention layer; a gated-delta-net (linear attention) layer and a full one.
     "granitemoehybrid": (

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from server.kv.groups import BlockRef, block_refs
 from server.kv.layout import build_manifest, why_no_reuse
 from server.kv.metadata import StepPlan, WorkerReport
 from server.kv.scheduler.ranks import RankTally, check_parallel
@@ -169,6 +171,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 compression_ratio=manifest.block_format.ratio,
                 on_files_indexed=self._fit_disk_budget,
             )
+            self.scheduler.async_loads = bool(manifest.groups)
             log.info(
                 "SessionKVConnector: %d RAM slots of %d bytes (%s, %d tensor-parallel rank(s) "
                 "of %d bytes), disk %s (%d bytes budget)",
@@ -190,6 +193,7 @@ class SessionKVConnector(KVConnectorBase_V1):
                 block_format=manifest.block_format,
                 rank=rank or 0,
                 block_size=manifest.block_size,
+                layer_groups=manifest.groups,
             )
         self._tally = RankTally(tp_size)
         self._usage = LoadAccounting(manifest.block_size)
@@ -236,8 +240,16 @@ class SessionKVConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         finished, errors = self.worker.collect()
-        self._load_errors = errors
+        if self.worker.layer_groups:  # vLLM takes these per request (every load is async)
+            self._failed_loads = self.worker.failed_requests(errors, finished)
+            errors = set()
+        self._load_errors = {e for e in errors if isinstance(e, int)}
         return self.worker.take_released() or None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving, self._failed_loads = getattr(self, "_failed_loads", set()), set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = getattr(self, "_load_errors", set()), set()
@@ -289,9 +301,9 @@ class SessionKVConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self.scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
-        self._usage.on_alloc(request, list(block_ids), num_external_tokens)
+        refs = block_refs(blocks.get_block_ids()) if num_external_tokens else []
+        self.scheduler.update_state_after_alloc(request, refs, num_external_tokens)
+        self._usage.on_alloc(request, refs, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -300,8 +312,8 @@ class SessionKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        scheduled: list[tuple[str, list[int] | None, bool, int]] = [
-            (r.req_id, list(r.block_ids[0]), True, r.num_computed_tokens)
+        scheduled: list[tuple[str, list[BlockRef] | None, bool, int]] = [
+            (r.req_id, block_refs(r.block_ids), True, r.num_computed_tokens)
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
@@ -310,7 +322,7 @@ class SessionKVConnector(KVConnectorBase_V1):
             scheduled.append(
                 (
                     req_id,
-                    list(new_ids[0]) if new_ids is not None else None,
+                    block_refs(new_ids) if new_ids is not None else None,
                     req_id in cached.resumed_req_ids,
                     cached.num_computed_tokens[i],
                 )
@@ -326,7 +338,9 @@ class SessionKVConnector(KVConnectorBase_V1):
         self.scheduler.on_report(report)
         # cached_tokens counts only the blocks before a failed load (vLLM recomputes the rest)
         self._usage.on_output(
-            connector_output.invalid_block_ids or (), connector_output.finished_recving or ()
+            connector_output.invalid_block_ids or (),
+            connector_output.finished_recving or (),
+            connector_output.failed_recving or (),
         )
         if self._disk_space is not None:
             if report.write_failed:
@@ -334,7 +348,7 @@ class SessionKVConnector(KVConnectorBase_V1):
             self._disk_space.maybe_regrow(self.scheduler.index)
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[BlockRef]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         delay = self.scheduler.request_finished(request, list(block_ids))
@@ -346,15 +360,20 @@ class SessionKVConnector(KVConnectorBase_V1):
 
 
 class HybridSessionKVConnector(SessionKVConnector, SupportsHMA):
-    """The connector for models vLLM runs only with its hybrid KV cache manager (recurrent
-    state next to attention: Mamba, linear attention), which vLLM keeps on only for a
-    connector that declares ``SupportsHMA``. Such a model has several KV cache groups, which
-    the tiers do not keep yet (:func:`~server.kv.layout.why_no_reuse`), so it offers nothing:
-    the model is served, vLLM's own prefix cache works as without the connector, and the
-    session registry and API keep working. :func:`~server.kv.layout.connector_class_for`
-    picks it."""
+    """The connector for models vLLM runs with its hybrid KV cache manager, which it keeps on
+    only for a connector that declares ``SupportsHMA`` (:func:`~server.kv.layout.
+    connector_class_for` picks it). Such a model has several KV cache groups.
+
+    - Sliding-window layers beside global ones (Gemma 2/3, gpt-oss): every group is paged
+      attention, so the tiers keep a block of every layer (a sliding group's skipped blocks
+      are vLLM's null block: not saved, not loaded; :mod:`server.kv.groups`), and every load
+      is asynchronous, as vLLM takes load failures only per request with several groups.
+    - Recurrent state (Mamba, linear attention: Qwen3-Next, Granite 4): the tiers do not keep
+      it yet (:func:`~server.kv.layout.why_no_reuse`), so the connector offers nothing; the
+      model is served, vLLM's own prefix cache works as without the connector, and the
+      session registry and API keep working."""
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0])
+        return self.request_finished(request, block_refs(block_ids))

@@ -53,16 +53,20 @@ def transfer_config(extra: dict[str, Any], model: str | None = None) -> dict[str
 
 def connector_class_for(model: str) -> str:
     """The connector class to load for ``model`` (a local folder): :data:`HYBRID_CONNECTOR`
-    where vLLM's model registry says the architecture keeps a recurrent state (Qwen3-Next,
-    Granite 4 hybrids, Jamba, Nemotron-H...), so vLLM keeps its hybrid KV cache manager on and
-    the model starts; :data:`CONNECTOR` otherwise, so vLLM turns that manager off for models
-    with sliding-window layers (Gemma 2/3, Mistral) and their KV stays one group the tiers
-    keep. A folder without ``config.json`` (or an architecture vLLM does not know) gets
-    :data:`CONNECTOR`; vLLM reports an unknown architecture itself."""
+    where vLLM keeps several KV cache groups only for a connector that declares
+    ``SupportsHMA``: an architecture vLLM's model registry says keeps a recurrent state
+    (Qwen3-Next, Granite 4 hybrids, Jamba, Nemotron-H...: without the hybrid manager it does
+    not start), or one whose config mixes sliding-window and global attention layers (Gemma
+    2/3, gpt-oss, Cohere 2: the hybrid manager gives sliding layers only their window's
+    blocks). :data:`CONNECTOR` otherwise, and for a folder without ``config.json`` (vLLM
+    reports an unknown architecture itself)."""
     try:
-        archs = json.loads((Path(model) / "config.json").read_text()).get("architectures")
+        config = json.loads((Path(model) / "config.json").read_text())
+        archs = config.get("architectures")
     except (OSError, ValueError, AttributeError):
         return CONNECTOR
+    if _mixed_attention(config):
+        return HYBRID_CONNECTOR
     from vllm.model_executor.models.registry import ModelRegistry
 
     for arch in archs or ():
@@ -73,8 +77,29 @@ def connector_class_for(model: str) -> str:
     return CONNECTOR
 
 
+_INTERLEAVED_SLIDING = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere2"})
+"""``model_type`` values whose layers interleave sliding-window and global attention even
+where the config lists no ``layer_types`` (older Gemma 2/3 and Cohere 2 configs)."""
+
+
+def _mixed_attention(config: dict[str, Any]) -> bool:
+    """True when the config (or its ``text_config``) has sliding-window and global attention
+    layers side by side."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and _mixed_attention(text):
+        return True
+    kinds = set(config.get("layer_types") or ())
+    if "sliding_attention" in kinds and kinds - {"sliding_attention"}:
+        return True
+    return config.get("model_type") in _INTERLEAVED_SLIDING
+
+
 def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
-    """Why the connector must offer no stored KV for this engine, or None when it can."""
+    """Why the connector must offer no stored KV for this engine, or None when it can.
+
+    Several KV cache groups are served when every group is paged attention of one block size
+    and one group holds every block (full attention or MLA): the blocks are keyed by that
+    group's ids, and a sliding-window group's skipped blocks are vLLM's null block."""
     if not vllm_config.cache_config.enable_prefix_caching:
         mla = vllm_config.model_config is not None and vllm_config.model_config.use_mla
         return (
@@ -83,11 +108,24 @@ def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
             + ", so a stored prefix could not be resumed correctly"
         )
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return f"the model has {len(groups)} KV cache groups; the connector serves one"
-    kind = type(groups[0].kv_cache_spec).__name__
-    if kind not in SERVED_SPECS:
-        return f"its KV cache layout ({kind}) is not one it can save and load"
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    other = next((k for k in kinds if k not in SERVED_SPECS), None)
+    if other is not None:
+        return f"its KV cache layout ({other}) is not one it can save and load"
+    if len(groups) > 1:
+        if len({int(g.kv_cache_spec.block_size) for g in groups}) != 1:
+            return "its KV cache groups have different block sizes"
+        if identity_group(kv_cache_config) is None:
+            return f"none of its {len(groups)} KV cache groups holds every block"
+    return None
+
+
+def identity_group(kv_cache_config: KVCacheConfig) -> int | None:
+    """The KV cache group whose block ids name a request's blocks: the first that holds every
+    block (not a sliding window); None when every group is a sliding window."""
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if type(group.kv_cache_spec).__name__ != "SlidingWindowSpec":
+            return i
     return None
 
 
@@ -96,12 +134,18 @@ def build_manifest(
 ) -> Manifest:
     """The layout both sides agree on, derived from vLLM's KV cache config alone (the spec
     describes one rank's shard: vLLM divides the KV heads between tensor-parallel ranks). Of
-    several groups (only where :func:`why_no_reuse` turned the tiers off) the first of a
-    served kind, else the first (a recurrent state's spec has no one dtype)."""
+    several groups of paged attention, every layer of every group, group by group (the
+    manifest records each layer's group); where :func:`why_no_reuse` turned the tiers off, the
+    first group of a served kind, else the first (a recurrent state's spec has no one dtype)."""
     groups = kv_cache_config.kv_cache_groups
-    group = next((g for g in groups if type(g.kv_cache_spec).__name__ in SERVED_SPECS), groups[0])
+    served = [type(g.kv_cache_spec).__name__ in SERVED_SPECS for g in groups]
+    group = groups[served.index(True)] if any(served) else groups[0]
     spec = group.kv_cache_spec
     layers = tuple(group.layer_names)
+    layer_groups: tuple[int, ...] = ()
+    if len(groups) > 1 and all(served):
+        layers = tuple(name for g in groups for name in g.layer_names)
+        layer_groups = tuple(i for i, g in enumerate(groups) for _ in g.layer_names)
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
     return Manifest(
@@ -113,6 +157,7 @@ def build_manifest(
         block_size=int(spec.block_size),
         layers=layers,
         layer_block_bytes=tuple(int(spec.page_size_bytes) for _ in layers),
+        groups=layer_groups,
         hash_scheme=f"{algo}:{hashlib.sha256(seed.encode()).hexdigest()[:16]}",
         offload_dtype=settings.offload_dtype,
         kv_heads=int(getattr(spec, "num_kv_heads", 1)),  # where int8/fp8 scales go

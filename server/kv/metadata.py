@@ -2,12 +2,15 @@
 
 Plain dataclasses (no torch, no vLLM): :mod:`server.kv.connector` wraps them in vLLM's
 ``KVConnectorMetadata`` / ``KVConnectorWorkerMetadata``. Block ids are vLLM's paged-cache
-block ids; slots index the RAM pool; keys are hex block hashes.
+block ids (with several KV cache groups, one per group: :mod:`server.kv.groups`); slots
+index the RAM pool; keys are hex block hashes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from server.kv.groups import BlockRef
 
 NO_SLOT = -1
 """Slot value of a disk load that has no RAM slot (read into a temporary buffer)."""
@@ -19,7 +22,7 @@ class LoadItem:
     "redis". A disk or Redis item with a slot reads into that slot first (promoting it to RAM).
     """
 
-    block_id: int
+    block_id: BlockRef
     key: str
     slot: int
     source: str
@@ -50,7 +53,7 @@ class SaveItem:
     """Copy paged block ``block_id`` into RAM slot ``slot`` after the forward pass, then (when
     ``to_disk``) write it to the disk tier on the background thread."""
 
-    block_id: int
+    block_id: BlockRef
     key: str
     slot: int
     to_disk: bool

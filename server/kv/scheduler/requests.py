@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from langgraph_kvcache.contract import DEFAULT_TENANT, XARG_OP, XARG_SESSION, XARG_TENANT
+from server.kv.groups import BlockRef
 from server.kv.scheduler.tails import TailHit
 
 
@@ -21,7 +22,7 @@ class Tracked:
     """A request the scheduler side follows until it finishes."""
 
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[BlockRef] = field(default_factory=list)
     saved_upto: int = 0
     session: tuple[str, str] | None = None
     """``(tenant, session id)``, or None for a request outside any session."""

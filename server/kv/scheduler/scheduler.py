@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from server.kv.groups import BlockRef, saveable
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
@@ -80,6 +81,9 @@ class SessionKVScheduler:
         self.settings = settings
         self.block_size = block_size
         self.block_bytes = block_bytes
+        self.async_loads = False
+        """Every load asynchronous (the request waits for it outside the batch): with several
+        KV cache groups vLLM takes load failures only per waiting request."""
         self.file_bytes = file_bytes
         self.sync = sync or RegistrySync(
             settings.registry_path,
@@ -186,11 +190,12 @@ class SessionKVScheduler:
         self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail)
         if not keys and tail is None:
             return 0, False
-        is_async = any(t != "ram" for t in tiers) or (tail is not None and tail.tier != "ram")
+        is_async = self.async_loads or any(t != "ram" for t in tiers)
+        is_async = is_async or (tail is not None and tail.tier != "ram")
         return len(keys) * self.block_size + (tail.tokens if tail else 0), is_async
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: list[BlockRef], num_external_tokens: int
     ) -> None:
         """Turn the request's lookup into a load job on the blocks vLLM allocated."""
         lookup = self._lookups.pop(request.request_id, None)
@@ -235,7 +240,7 @@ class SessionKVScheduler:
             items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
         for slot in promote:  # not needed after all
             self.index.free_slots.append(slot)
-        is_async = any(t != "ram" for t in tiers)
+        is_async = self.async_loads or any(t != "ram" for t in tiers)
         self._plan.loads.append(LoadJob(request.request_id, tuple(items), is_async))
         if is_async:
             track(self._tracked, request).loading = True
@@ -244,7 +249,7 @@ class SessionKVScheduler:
 
     def build_plan(
         self,
-        scheduled: list[tuple[str, list[int] | None, bool, int]],
+        scheduled: list[tuple[str, list[BlockRef] | None, bool, int]],
         num_scheduled_tokens: dict[str, int],
     ) -> StepPlan:
         """The step's plan. ``scheduled``: (req id, new block ids or None, replaces the old
@@ -253,7 +258,7 @@ class SessionKVScheduler:
         self._step_open = False  # the next call belongs to the next step
         if self._warm.pending() and not scheduled:
             self._warm.step(_WARM_IDLE_S)
-        wanted: list[tuple[int, str]] = []
+        wanted: list[tuple[BlockRef, str]] = []
         for req_id, new_ids, replace, num_computed in scheduled:
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -273,7 +278,7 @@ class SessionKVScheduler:
             for i, key in enumerate(new_keys, first):
                 if key in self.index.blocks:
                     self.index.touch(key)
-                elif all(key != k for _, k in wanted):
+                elif saveable(tracked.block_ids[i]) and all(key != k for _, k in wanted):
                     wanted.append((tracked.block_ids[i], key))
             tracked.saved_upto = max(tracked.saved_upto, full)
         if wanted:
@@ -292,7 +297,7 @@ class SessionKVScheduler:
         self._warm.removed(plan.removes)
         return plan
 
-    def _plan_saves(self, wanted: list[tuple[int, str]]) -> None:
+    def _plan_saves(self, wanted: list[tuple[BlockRef, str]]) -> None:
         keys = {k for _, k in wanted}
         slots = self.index.alloc_slots(len(wanted), protect=keys)
         redis = self.redis is not None
@@ -335,7 +340,7 @@ class SessionKVScheduler:
 
     # ---------------------------------------------------------------- sessions
 
-    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
+    def request_finished(self, request: Any, block_ids: list[BlockRef] | None = None) -> bool:
         """Queue the session's turn for the registry and the save of its tail block (of
         paged ``block_ids``); forget the request. True: the tail's save is queued, so vLLM must
         keep the blocks until the worker reports the request in ``finished_sending``."""

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server.kv.groups import BlockRef, saveable
 from server.kv.keys import block_key, parse_tail_key, tail_key, tail_root
 from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.policy import EvictionPolicy
@@ -53,7 +54,7 @@ class PendingTail:
     """A finished request's tail waiting for the next plan: copy paged ``block_id``."""
 
     req_id: str
-    block_id: int
+    block_id: BlockRef
     key: str
 
 
@@ -139,7 +140,7 @@ class TailBook:
         return None
 
     def on_finished(
-        self, request: Any, block_ids: list[int] | None, computed: int, ram_on: bool
+        self, request: Any, block_ids: list[BlockRef] | None, computed: int, ram_on: bool
     ) -> str | None:
         """Queue the save of a finished request's tail (``computed`` tokens have KV); return
         its key, or None when there is none to save (no partial block, no RAM tier, no token
@@ -153,6 +154,8 @@ class TailBook:
         n = computed - full * self.block_size
         if n <= 0 or full >= len(block_ids) or full > len(request.block_hashes):
             return None
+        if not saveable(block_ids[full]):
+            return None  # a group holds nothing there
         start = full * self.block_size
         key = tail_key(parent_of(request, full), list(token_ids[start : start + n]))
         self._pending.append(PendingTail(request.request_id, block_ids[full], key))
@@ -165,7 +168,7 @@ class TailBook:
     def plan(
         self,
         index: BlockIndex,
-        save: Callable[[list[tuple[int, str]]], None],
+        save: Callable[[list[tuple[BlockRef, str]]], None],
         release: list[str],
     ) -> None:
         """Plan the pending tails' saves with ``save`` ((paged block id, key) pairs; it
@@ -173,7 +176,7 @@ class TailBook:
         (the worker frees their blocks once this step's copies are done). From here on the
         tails are visible to lookups."""
         pending, self._pending = self._pending, []
-        wanted: list[tuple[int, str]] = []
+        wanted: list[tuple[BlockRef, str]] = []
         for tail in pending:
             if tail.key in index.blocks:
                 index.touch(tail.key)  # the same tail again (a repeated turn)

@@ -19,15 +19,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from server.kv.groups import BlockRef
+
 
 class LoadAccounting:
     """Per request: the paged block ids its external load fills, in prefix order."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._loads: dict[str, tuple[Any, list[int]]] = {}
+        self._loads: dict[str, tuple[Any, list[BlockRef]]] = {}
 
-    def on_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def on_alloc(self, request: Any, block_ids: list[BlockRef], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) for a load of
         ``num_external_tokens`` tokens after the request's local prefix-cache hit."""
         stats = getattr(request, "prefill_stats", None)
@@ -37,8 +39,23 @@ class LoadAccounting:
         count = -(-num_external_tokens // self.block_size)  # a tail block counts too
         self._loads[request.request_id] = (request, list(block_ids[start : start + count]))
 
-    def on_output(self, invalid_block_ids: Iterable[int], finished: Iterable[str]) -> None:
-        """Apply a step's failed block ids, then forget the loads that finished."""
+    def on_output(
+        self,
+        invalid_block_ids: Iterable[int],
+        finished: Iterable[str],
+        failed: Iterable[str] = (),
+    ) -> None:
+        """Apply a step's failed block ids and failed loads (``failed_recving``: vLLM
+        recomputes such a request whole), then forget the loads that finished."""
+        for req_id in failed:
+            request, _ = self._loads.get(req_id, (None, []))
+            stats = getattr(request, "prefill_stats", None)
+            if stats is not None:
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=0,
+                )
         invalid = set(invalid_block_ids)
         if invalid:
             for req_id, (request, ids) in list(self._loads.items()):

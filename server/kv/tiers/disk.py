@@ -88,6 +88,10 @@ class Manifest:
     tp_size: int = 1
     """Tensor-parallel ranks. ``layer_block_bytes`` and ``kv_heads`` are one rank's share
     (vLLM splits the KV heads between ranks); each rank stores its own file of a block."""
+    groups: tuple[int, ...] = ()
+    """Per layer, the vLLM KV cache group it belongs to (empty: one group). With several
+    groups (sliding-window and global layers under vLLM's hybrid KV cache manager) a block
+    holds every layer of every group at the same token positions."""
 
     @property
     def block_format(self) -> BlockFormat:
@@ -129,6 +133,8 @@ class Manifest:
             fields["files"] = files
         if self.tp_size == 1:  # as before tensor parallelism: one-rank files stay valid
             del fields["tp_size"]
+        if not self.groups:  # one group, as before groups: its files stay valid
+            del fields["groups"]
         if self.offload_dtype == "auto":
             del fields["offload_dtype"], fields["kv_heads"]
         elif self.offload_dtype in SCALED:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from server.kv.groups import NULL_BLOCK, LayerBlocks
 from server.kv.tiers.block_frame import PAGE
 from server.kv.tiers.codec import BlockCodec
 
@@ -54,12 +55,14 @@ class RamPool:
         out.copy_(self.buffer[slot])
         return out
 
-    def save(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
-        """Encode paged blocks into slots (``kv``: per-layer views with the block dim first)."""
+    def save(self, kv: list[torch.Tensor], blocks: LayerBlocks, slots: list[int]) -> None:
+        """Encode paged blocks into slots (``kv``: per-layer views with the block dim first;
+        ``blocks``: each layer's block ids, every one held: :func:`server.kv.groups.saveable`)."""
         if kv and kv[0].device.type != "cpu":
-            return self._save_batched(kv, block_ids, slots)
-        pairs = list(zip(block_ids, slots, strict=True))
+            return self._save_batched(kv, blocks, slots)
         for i, layer in enumerate(kv):
+            block_ids = blocks.of(i)
+            pairs = list(zip(block_ids, slots, strict=True))
             if self.codec.format.exact:  # one copy per block, straight into its slot
                 for block, slot in pairs:
                     self._slot_values(i, slot, layer).copy_(layer[block])
@@ -72,17 +75,23 @@ class RamPool:
                     pool_scales[slot].copy_(scales[j])
         return None
 
-    def load(self, kv: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
+    def load(self, kv: list[torch.Tensor], slots: list[int], blocks: LayerBlocks) -> None:
         """Decode slots into paged blocks, every layer."""
         for i in range(len(kv)):
-            self.load_layer(kv, i, slots, block_ids)
+            self.load_layer(kv, i, slots, blocks.of(i))
 
     def load_layer(
         self, kv: list[torch.Tensor], i: int, slots: list[int], block_ids: list[int]
     ) -> None:
-        """Decode layer ``i`` of slots into paged blocks (the worker's copy thread loads a
-        step's blocks one layer at a time)."""
+        """Decode layer ``i`` of slots into paged blocks ``block_ids`` of that layer (the
+        worker's copy thread loads a step's blocks one layer at a time); a null block (a
+        sliding window's skipped block) is left alone."""
         layer = kv[i]
+        if NULL_BLOCK in block_ids:
+            kept = [(s, b) for s, b in zip(slots, block_ids, strict=True) if b != NULL_BLOCK]
+            if not kept:
+                return None
+            slots, block_ids = [s for s, _ in kept], [b for _, b in kept]
         if layer.device.type != "cpu":
             return self._load_layer_batched(layer, i, slots, block_ids)
         pairs = list(zip(slots, block_ids, strict=True))
@@ -105,10 +114,10 @@ class RamPool:
     # On CUDA one batched host<->device transfer per layer beats many small ones; on CPU the
     # indexed gather/scatter of these two costs about 6x a plain copy per block (measured:
     # 4.2-4.6 ms against 0.7 ms per SmolLM2 block on one thread), so CPU copies block by block.
-    def _save_batched(self, kv: list[torch.Tensor], block_ids: list[int], slots: list[int]) -> None:
-        src = torch.tensor(block_ids, dtype=torch.long)
+    def _save_batched(self, kv: list[torch.Tensor], blocks: LayerBlocks, slots: list[int]) -> None:
         dst = torch.tensor(slots, dtype=torch.long)
         for i, layer in enumerate(kv):
+            src = torch.tensor(blocks.of(i), dtype=torch.long)
             data, scales = self.codec.encode(layer[src.to(layer.device)])  # on the cache's device
             self.data[i][dst] = data.to(self.buffer.device)
             pool_scales = self.scales[i]
@@ -125,20 +134,24 @@ class RamPool:
         scales = pool_scales[src].to(dev) if pool_scales is not None else None
         layer[dst] = self.codec.decode(i, self.data[i][src].to(dev), scales)
 
-    def load_bytes(self, kv: list[torch.Tensor], data: torch.Tensor, block_id: int) -> None:
+    def load_bytes(self, kv: list[torch.Tensor], data: torch.Tensor, block: LayerBlocks) -> None:
         """Decode one block held in a plain byte tensor (slot layout) into a paged block."""
-        load_block_bytes(self.codec, kv, data, block_id)
+        load_block_bytes(self.codec, kv, data, block)
 
 
 def load_block_bytes(
-    codec: BlockCodec, kv: list[torch.Tensor], data: torch.Tensor, block_id: int
+    codec: BlockCodec, kv: list[torch.Tensor], data: torch.Tensor, target: LayerBlocks
 ) -> None:
-    """Decode one stored block (``uint8 [block_bytes]``, slot layout) into paged block
-    ``block_id`` of every layer of ``kv``."""
+    """Decode one stored block (``uint8 [block_bytes]``, slot layout) into the paged block
+    ``target`` (one ref) names in every layer of ``kv`` (a layer's null block is skipped)."""
     offset = 0
     for i, layer in enumerate(kv):
         size = codec.data_bytes(i)
         scale_bytes = codec.format.stored_layer_bytes(i) - size
+        block_id = target.of(i)[0]
+        if block_id == NULL_BLOCK:
+            offset += size + scale_bytes
+            continue
         values = data[offset : offset + size].view(1, size)
         scales = _scales(data.view(1, -1), offset + size, scale_bytes)
         block = codec.decode(i, values, scales)[0]

@@ -34,13 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from server.kv.groups import BlockRef
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Batch:
     slots: list[int]
-    block_ids: list[int]
+    block_ids: list[BlockRef]
     started: float
     done: int = 0
     """Layers copied (or given up on) so far."""
@@ -48,7 +50,7 @@ class _Batch:
     finished: float = 0.0
 
 
-CopyLayer = Callable[[int, list[int], list[int]], None]
+CopyLayer = Callable[[int, list[int], list[BlockRef]], None]
 """``copy_layer(layer_index, slots, block_ids)``: copy one layer of RAM slots into paged
 blocks."""
 
@@ -79,7 +81,7 @@ class LayerLoads:
         """The copy thread's OS id (for affinity checks)."""
         return self._thread.native_id
 
-    def start(self, slots: list[int], block_ids: list[int]) -> None:
+    def start(self, slots: list[int], block_ids: list[BlockRef]) -> None:
         """Start copying ``slots`` into paged ``block_ids``, layer by layer (the previous
         batch must be finished)."""
         with self._cond:
@@ -102,7 +104,7 @@ class LayerLoads:
             while self._batch is not None and self._batch.done <= index:
                 self._cond.wait()
 
-    def finish(self) -> tuple[list[int], list[int], float] | None:
+    def finish(self) -> tuple[list[int], list[BlockRef], float] | None:
         """Wait for every layer of the batch in flight; return its (slots, failed paged block
         ids, seconds from start to the last layer), or None when there was none."""
         if self._batch is None:

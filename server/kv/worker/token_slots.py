@@ -27,6 +27,8 @@ import logging
 
 import torch
 
+from server.kv.groups import LayerBlocks
+
 log = logging.getLogger(__name__)
 
 _UNCLAIMED = -1
@@ -68,15 +70,15 @@ class TokenSlots:
         return slots
 
     def tail_copies(
-        self, kv: list[torch.Tensor], block_ids: list[int], counts: list[int]
+        self, kv: list[torch.Tensor], blocks: LayerBlocks, counts: list[int]
     ) -> list[torch.Tensor]:
-        """Per layer, ``[len(block_ids), *block_shape]``: copies of paged blocks ``block_ids``
-        whose elements of tokens ``>= counts[j]`` are zero (``kv``: per-layer views with the
-        block dimension first; not modified)."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        """Per layer, ``[len(blocks), *block_shape]``: copies of the paged blocks ``blocks``
+        names whose elements of tokens ``>= counts[j]`` are zero (``kv``: per-layer views with
+        the block dimension first; not modified)."""
         out: list[torch.Tensor] = []
-        for layer, positions in zip(kv, self.maps, strict=True):
-            copies = layer[index.to(layer.device)]  # indexing copies: the paged blocks stay
+        for i, (layer, positions) in enumerate(zip(kv, self.maps, strict=True)):
+            index = torch.tensor(blocks.of(i), dtype=torch.long, device=layer.device)
+            copies = layer[index]  # indexing copies: the paged blocks stay
             if positions is not None:
                 limits = torch.tensor(counts, dtype=positions.dtype, device=layer.device)
                 limits = limits.view(-1, *([1] * positions.dim()))

@@ -41,14 +41,15 @@ exception to vLLM.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from server.kv.formats import BlockFormat
+from server.kv.groups import BlockRef, LayerBlocks
 from server.kv.keys import parse_tail_key
 from server.kv.metadata import NO_SLOT, LoadItem, SaveItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
@@ -68,7 +69,7 @@ class _AsyncLoad:
     req_id: str
     pending: int
     started: float
-    failed_blocks: set[int] = field(default_factory=set)
+    failed_blocks: set[BlockRef] = field(default_factory=set)
 
 
 class SessionKVWorker:
@@ -97,6 +98,7 @@ class SessionKVWorker:
         block_format: BlockFormat | None = None,
         rank: int = 0,
         block_size: int | None = None,
+        layer_groups: tuple[int, ...] = (),
     ) -> None:
         self.rank = rank
         """This worker's tensor-parallel rank (0 without tensor parallelism)."""
@@ -107,6 +109,12 @@ class SessionKVWorker:
         """Where each token lies in a layer's block, found in ``register_kv_caches``."""
         self.num_slots = num_slots
         self.layers = layers
+        self.layer_groups = layer_groups
+        """Per layer, its KV cache group (empty: one group): plan items then name blocks by
+        one id per group (:mod:`server.kv.groups`)."""
+        self._owners: dict[BlockRef, str] = {}
+        """With several groups, the request each loading block belongs to: vLLM takes their
+        load failures per request (``failed_recving``), not per block id."""
         self.layer_block_bytes = layer_block_bytes
         self.store = store
         self.redis = redis
@@ -120,7 +128,7 @@ class SessionKVWorker:
         self._loads: dict[str, _AsyncLoad] = {}
         self._finished_loads: set[str] = set()
         self._released: set[str] = set()
-        self._load_errors: set[int] = set()
+        self._load_errors: set[BlockRef] = set()
         self.layer_loads: LayerLoads | None = None
         self._layered_jobs = 0
         self.io = IOThread(store, redis)
@@ -158,8 +166,7 @@ class SessionKVWorker:
         if self.num_slots:
             self.pool = RamPool(self.num_slots, self.codec)
             if self.layer_wise and all(v.device.type == "cpu" for v in views):
-                copy = functools.partial(self.pool.load_layer, self.kv)
-                self.layer_loads = LayerLoads(self.layers, copy, self.copy_threads)
+                self.layer_loads = LayerLoads(self.layers, self._copy_layer, self.copy_threads)
 
     # ------------------------------------------------------------------- steps
 
@@ -170,6 +177,8 @@ class SessionKVWorker:
         layered: list[LoadItem] = []
         for job in plan.loads:
             started = time.perf_counter()
+            if self.layer_groups:
+                self._owners.update((i.block_id, job.req_id) for i in job.items)
             ram = [i for i in job.items if not i.from_disk]
             # A sync load's tail is copied now: this step's forward writes its later slots.
             now = [i for i in ram if self.layer_loads is None or (i.partial and not job.is_async)]
@@ -235,8 +244,8 @@ class SessionKVWorker:
                 if item.to_redis:
                     self.io.redis_write(item.key, data)
 
-    def collect(self) -> tuple[set[str], set[int]]:
-        """Apply finished disk jobs; return (finished async loads, failed paged block ids)."""
+    def collect(self) -> tuple[set[str], set[BlockRef]]:
+        """Apply finished disk jobs; return (finished async loads, failed paged blocks)."""
         self.finish_loads()
         for kind, payload in self.io.results():
             if kind == "read":
@@ -257,6 +266,14 @@ class SessionKVWorker:
         finished, self._finished_loads = self._finished_loads, set()
         errors, self._load_errors = self._load_errors, set()
         return finished, errors
+
+    def failed_requests(self, errors: set[BlockRef], finished: set[str]) -> set[str]:
+        """With several KV cache groups: the requests whose load had a failed block (vLLM
+        recomputes them whole), forgetting the blocks of the loads that ``finished``."""
+        failed = {self._owners[ref] for ref in errors if ref in self._owners}
+        if finished:
+            self._owners = {r: q for r, q in self._owners.items() if q not in finished}
+        return failed
 
     def take_released(self) -> set[str]:
         """Finished requests whose kept blocks vLLM may free now (their tails are copied)."""
@@ -290,20 +307,30 @@ class SessionKVWorker:
         tails = {s: parse_tail_key(s.key) for s in saves} if slots and slots.known else {}
         full = [s for s in saves if tails.get(s) is None]
         if full:
-            self.pool.save(self.kv, [s.block_id for s in full], [s.slot for s in full])
+            self.pool.save(self.kv, self._blocks(s.block_id for s in full), [s.slot for s in full])
         partial = [(s, t[1]) for s, t in tails.items() if t is not None]
         if partial and slots is not None:
             copies = slots.tail_copies(
-                self.kv, [s.block_id for s, _ in partial], [n for _, n in partial]
+                self.kv, self._blocks(s.block_id for s, _ in partial), [n for _, n in partial]
             )
-            self.pool.save(copies, list(range(len(partial))), [s.slot for s, _ in partial])
+            ids = LayerBlocks(range(len(partial)))
+            self.pool.save(copies, ids, [s.slot for s, _ in partial])
+
+    def _blocks(self, refs: Iterable[BlockRef]) -> LayerBlocks:
+        return LayerBlocks(list(refs), self.layer_groups)
+
+    def _copy_layer(self, layer: int, slots: list[int], refs: list[BlockRef]) -> None:
+        """Layer ``layer`` of RAM slots into the paged blocks ``refs`` name (the copy thread)."""
+        assert self.pool is not None
+        self.pool.load_layer(self.kv, layer, slots, self._blocks(refs).of(layer))
 
     def _load_now(self, items: list[LoadItem]) -> None:
         """Copy RAM items into the paged cache now, every layer (a failure is a miss)."""
         if not items or self.pool is None:
             return
         try:
-            self.pool.load(self.kv, [i.slot for i in items], [i.block_id for i in items])
+            blocks = self._blocks(i.block_id for i in items)
+            self.pool.load(self.kv, [i.slot for i in items], blocks)
         except Exception as e:  # a miss, never an exception in vLLM's step
             log.warning("KV load of %d RAM blocks failed, they are recomputed: %s", len(items), e)
             self._load_errors.update(i.block_id for i in items)
@@ -324,10 +351,11 @@ class SessionKVWorker:
             self._report.read_failed.append(read.key)
         if read.item is not None and read.req_id is not None:
             load = self._loads.get(read.req_id)
+            block = self._blocks((read.item.block_id,))
             if read.error is None and self.pool is not None:
-                self.pool.load_bytes(self.kv, read.buffer, read.item.block_id)
+                self.pool.load_bytes(self.kv, read.buffer, block)
             elif read.error is None and self.codec is not None:
-                load_block_bytes(self.codec, self.kv, read.buffer, read.item.block_id)
+                load_block_bytes(self.codec, self.kv, read.buffer, block)
             elif load is not None:
                 load.failed_blocks.add(read.item.block_id)
             if load is not None:

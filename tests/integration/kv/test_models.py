@@ -111,3 +111,69 @@ def test_a_recurrent_hybrid_starts_and_answers_like_cache_off(
     assert hit[1]["num_cached_tokens"] == 0
     assert hit[1]["tokens"] == ref[0]["tokens"]
     assert hit[1]["logprobs"] == pytest.approx(ref[0]["logprobs"], abs=1e-4)
+
+
+def test_sliding_window_groups_reuse_from_ram_and_disk_like_cache_off(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """Gemma 3's sliding-window and global layers run under vLLM's hybrid KV cache manager
+    (the connector declares ``SupportsHMA``): two KV cache groups, the sliding one (a
+    256-token window) holding only the blocks inside its window. The tiers keep every layer
+    of each block; a later turn loads the global layers' blocks and the sliding layers' blocks
+    inside the window, from RAM and, after a restart, from disk, and answers as cache-off."""
+    import json
+
+    from server.kv.layout import HYBRID_CONNECTOR, connector_class_for
+    from server.tiny_models import build_tiny_arch
+
+    gemma3_dir = build_tiny_arch("gemma3", tokenizer_from=smollm2_dir)
+    assert connector_class_for(str(gemma3_dir)) == HYBRID_CONNECTOR
+    cache = tmp_path / "cache"
+    engine = engine_kwargs(gemma3_dir, cache)
+    prompt = [400 + (i * 37) % 3000 for i in range(600)]
+    turns = [
+        {"prompt": prompt, "session": "g", "max_tokens": 16},
+        {"continue": list(range(900, 940)), "session": "g", "reset": True, "max_tokens": 16},
+    ]
+    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
+    # a new engine: RAM is empty, the blocks come from disk
+    third = [*hit[1]["prompt"], *hit[1]["tokens"], *range(1900, 1930)]
+    hit += run_engine_script(
+        {"engine": engine, "turns": [{"prompt": third, "session": "g", "max_tokens": 16}]},
+        tmp_path,
+    )
+    ref = run_engine_script(
+        {
+            "engine": engine,
+            "turns": [
+                {"prompt": t["prompt"], "cache": False, "max_tokens": 16, "reset": True}
+                for t in hit[1:]
+            ],
+        },
+        tmp_path,
+    )
+    (manifest,) = cache.glob("blocks/*/manifest.json")
+    assert sorted(set(json.loads(manifest.read_text())["groups"])) == [0, 1]
+    assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
+    # From RAM, every token before the new message: turn 1's 600 + 16 (the last one has no
+    # KV); from disk after the restart, turn 2's five whole blocks (its tail was still to be
+    # saved when that engine stopped).
+    for got, want, least in zip(hit[1:], ref, (615, 640), strict=True):
+        print(f"cached {got['num_cached_tokens']} of {len(got['prompt'])} prompt tokens")
+        assert got["num_cached_tokens"] >= least
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    # Damaged files: with several groups vLLM takes a failed load per request
+    # (failed_recving), recomputes the request whole, and the usage says nothing was cached.
+    for path in cache.glob("blocks/*/**/*"):
+        if path.is_file() and path.name != "manifest.json":
+            data = bytearray(path.read_bytes())
+            data[-100:] = bytes(100)  # damage the payload, keep the size
+            path.write_bytes(bytes(data))
+    (bad,) = run_engine_script(
+        {"engine": engine, "turns": [{"prompt": third, "session": "g", "max_tokens": 16}]},
+        tmp_path,
+    )
+    assert bad["num_cached_tokens"] == 0
+    assert bad["tokens"] == ref[1]["tokens"]
+    assert bad["logprobs"] == pytest.approx(ref[1]["logprobs"], abs=1e-4)

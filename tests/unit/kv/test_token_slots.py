@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("vllm._custom_ops")
 
+from server.kv.groups import LayerBlocks  # noqa: E402
 from server.kv.keys import tail_key  # noqa: E402
 from server.kv.metadata import SaveItem, StepPlan  # noqa: E402
 from server.kv.worker.token_slots import TokenSlots  # noqa: E402
@@ -45,7 +46,7 @@ def test_a_tail_copy_keeps_its_tokens_and_zeroes_the_rest(dtype: torch.dtype) ->
 
     slots = TokenSlots.probe([paged], BLOCK)
     assert slots.known
-    (copy,) = slots.tail_copies([paged], [1], [17])
+    (copy,) = slots.tail_copies([paged], LayerBlocks([1]), [17])
     assert torch.equal(copy[0], clean[1])
     assert torch.equal(paged, before)  # vLLM's paged cache is never written
     assert not torch.equal(before[1], clean[1])  # the leftovers were there
