@@ -19,7 +19,8 @@ model, in one engine process each (vLLM keeps one KV connector per process):
 Printed per model: the connector class, KV cache groups, whether it started, the cached share
 of turns 2+ (RAM, then disk after the restart), whether every answer equals cache-off token for
 token (logprobs within 1e-4), the session's bytes in each tier, and vLLM's "maximum
-concurrency" at ``max_model_len`` for the same KV memory (with the manager on and off).
+concurrency" for the same KV memory: at ``max_model_len`` 4096, and for models with
+sliding-window layers at :data:`LONG_CONTEXT` with the manager on and off.
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARCHS = ["llama", "qwen3", "gemma3", "deepseek_v2", "granitemoehybrid", "qwen3_next"]
+ARCHS = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "gemma3",
+    "deepseek_v2",
+    "granitemoehybrid",
+    "qwen3_next",
+]
 KV_MEMORY = 64 * 1024 * 1024
 """vLLM's KV cache memory for every engine (the same for the manager on and off)."""
 ENGINE: dict[str, Any] = {
@@ -52,9 +62,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # CPU's gated-delta-net kernel needs bfloat16
     "qwen3_next": {"dtype": "bfloat16"},
 }
-SHORT_PROMPT = {"granitemoehybrid": 60}
+LONG_CONTEXT = 32768
+"""``max_model_len`` of the capacity figure of models with sliding-window layers (at the suite's
+4096 a 256-token window saves nothing: vLLM sizes a sliding group for the window plus one
+batch of new tokens)."""
+SHORT = {"granitemoehybrid": (40, 8)}
 """vLLM 0.32's CPU Mamba-2 kernel fails past one 128-token block with prefix caching on
-(plain vLLM too): that model's conversation stays inside one block."""
+(plain vLLM too): that model's conversation stays inside one block (first turn's tokens, new
+tokens a turn)."""
 
 
 def model_dir(arch: str) -> Path:
@@ -86,6 +101,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("class"):
         config["kv_connector"] = spec["class"]
     llm = LLM(**spec["engine"], kv_transfer_config=KVTransferConfig(**config))
+    print("STARTED", flush=True)
     core = llm.llm_engine.engine_core.engine_core
     kv_config = core.scheduler.kv_cache_config
     out: dict[str, Any] = {
@@ -141,7 +157,8 @@ def run(spec: dict[str, Any], work: Path) -> dict[str, Any] | str:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         err = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln]
-        return (err or [f"exit code {proc.returncode}"])[-1][:160]
+        text = (err or [f"exit code {proc.returncode}"])[-1][:160]
+        return f"after start: {text}" if "STARTED" in proc.stdout else text
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -165,19 +182,19 @@ def measure(arch: str, prompt_len: int, turns: int, work: Path) -> dict[str, Any
         "disk_bytes": 256 * (block + 8192),
         "model_id": arch,
     }
-    n = SHORT_PROMPT.get(arch, prompt_len)
+    n, new = SHORT.get(arch, (prompt_len, 40))
     first = [400 + (i * 37) % 3000 for i in range(n)]
     later = [
-        {"continue": list(range(900 + 40 * t, 940 + 40 * t)), "reset": True}
+        {"continue": list(range(900 + 40 * t, 900 + 40 * t + new)), "reset": True}
         for t in range(1, turns)
     ]
     spec = {"engine": engine, "extra": extra, "session": "s", "turns": [{"prompt": first}, *later]}
     hit = run(spec, work)
     row: dict[str, Any] = {"arch": arch}
     if isinstance(hit, str):
-        return {**row, "started": False, "error": hit}
+        return {**row, "started": hit.startswith("after start"), "error": hit}
     last = hit["turns"][-1]
-    again = [*last["prompt"], *last["tokens"], *range(1900, 1930)]
+    again = [*last["prompt"], *last["tokens"], *range(1900, 1900 + min(new, 30))]
     disk = run({**spec, "turns": [{"prompt": again}]}, work)
     later_turns = hit["turns"][1:] + (disk["turns"] if isinstance(disk, dict) else [])
     ref = run(
@@ -209,9 +226,12 @@ def measure(arch: str, prompt_len: int, turns: int, work: Path) -> dict[str, Any
         tier_bytes=usage,
         concurrency=hit["concurrency"],
     )
-    if len(hit["groups"]) > 1 and "Mamba" not in "".join(hit["groups"]):
-        off = run({**spec, "class": "SessionKVConnector", "turns": spec["turns"][:1]}, work)
-        row["concurrency_manager_off"] = off["concurrency"] if isinstance(off, dict) else off
+    if len(hit["groups"]) > 1 and "SlidingWindowSpec" in hit["groups"]:
+        # vLLM's own capacity figure at a long context, with the hybrid manager on and off
+        long = {**engine, "max_model_len": LONG_CONTEXT}
+        for name, cls in (("long_on", None), ("long_off", "SessionKVConnector")):
+            got = run({**spec, "engine": long, "class": cls, "turns": spec["turns"][:1]}, work)
+            row[name] = got["concurrency"] if isinstance(got, dict) else got
     return row
 
 
@@ -233,23 +253,25 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(
-        "\narch              class                     groups  started  cached RAM  "
-        "cached disk  identical  RAM/disk bytes      max concurrency (manager off)"
+        "\narch              class                     groups  cached RAM  cached disk  "
+        "identical  RAM/disk bytes   concurrency 4k  32k manager on/off"
     )
     for r in rows:
-        if not r["started"]:
-            print(f"{r['arch']:<17} did not start: {r['error']}")
+        if "error" in r:
+            print(f"{r['arch']:<17} started: {r['started']}; {r['error']}")
             continue
         disk = "-" if r["disk_share"] is None else f"{r['disk_share']:.2f}"
         tiers = f"{r['tier_bytes'].get('ram', 0)}/{r['tier_bytes'].get('disk', 0)}"
-        off = r.get("concurrency_manager_off")
-        off_text = (
-            "" if off is None else f" ({off:.2f}x)" if isinstance(off, float) else f" ({off})"
-        )
+        long = "-"
+        if "long_on" in r:
+            long = " / ".join(
+                f"{v:.2f}x" if isinstance(v, float) else str(v)
+                for v in (r["long_on"], r["long_off"])
+            )
         print(
-            f"{r['arch']:<17} {r['connector']:<25} {len(r['groups']):>6}  {'yes':>7}  "
-            f"{r['ram_share']:>10.2f}  {disk:>11}  {r['identical']!s:>9}  {tiers:>18}  "
-            f"{r['concurrency']:.2f}x{off_text}"
+            f"{r['arch']:<17} {r['connector']:<25} {len(r['groups']):>6}  "
+            f"{r['ram_share']:>10.2f}  {disk:>11}  {r['identical']!s:>9}  {tiers:>15}  "
+            f"{r['concurrency']:>13.2f}x  {long}"
         )
 
 

@@ -52,6 +52,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
+    # Every layer a 256-token sliding window (one KV cache group: vLLM turns its hybrid
+    # manager off for the plain connector class and allocates such layers at full length).
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2, "head_dim": 32, "sliding_window": 256}),
+    # Mixture of experts: 4 experts, 2 per token.
+    "mixtral": (
+        "MixtralConfig",
+        {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
     # Sliding-window and global attention layers side by side (Gemma 3's pattern): with the
     # hybrid KV cache manager they are two KV cache groups, the sliding one holding only the
     # blocks inside its 256-token window.
@@ -65,6 +73,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             # its own output head: Gemma scales the input embeddings by sqrt(hidden_size), so
             # with tied ones every step would repeat its input token
             "tie_word_embeddings": False,
+            # long enough for benchmarks/models.py to show the window's memory saving
+            "max_position_embeddings": 32768,
         },
     ),
     # Hybrids that need vLLM's hybrid KV cache manager (several KV cache groups): a Mamba-2

@@ -1,8 +1,9 @@
 """Block references under vLLM's hybrid KV cache manager: several KV cache groups.
 
 With one KV cache group (every layer full attention, or vLLM's hybrid manager off) a request's
-block is one paged block id, the same in every layer. A model whose sliding-window layers run
-beside global ones (Gemma 2/3, gpt-oss) gets several groups from the hybrid manager: each
+block is one paged block id, the same in every layer (a group of sliding-window layers, as
+Mistral's, gives the positions its window skips the null block too). A model whose
+sliding-window layers run beside global ones (Gemma 2/3, gpt-oss) gets several groups from the hybrid manager: each
 group has its own block table, and a sliding-window group gives the blocks its window skips
 vLLM's null block (id 0) instead of memory. The connector then names a request's block by a
 :data:`BlockRef` holding its id in every group; both sides pass refs through unchanged and
@@ -34,8 +35,10 @@ def block_refs(per_group: Sequence[Sequence[int]]) -> list[BlockRef]:
 
 
 def saveable(ref: BlockRef) -> bool:
-    """True when every group holds the block (a save reads every layer)."""
-    return isinstance(ref, int) or NULL_BLOCK not in ref
+    """True when every group holds the block (a save reads every layer). One group of
+    sliding-window layers (Mistral: vLLM keeps it a sliding window with the hybrid manager off)
+    also hands out the null block for the positions its window skips."""
+    return ref != NULL_BLOCK if isinstance(ref, int) else NULL_BLOCK not in ref
 
 
 class LayerBlocks:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.kv.groups import BlockRef, saveable
+from server.kv.groups import NULL_BLOCK, BlockRef, saveable
 from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
@@ -225,6 +225,8 @@ class SessionKVScheduler:
             kind = "tail" if tail is not None and key == tail.key else "block"
             self.publisher.count(f'lgkv_hit_{kind}s_total{{tier="{tier}"}}', 1)
             self.index.touch(key)
+            if block_id == NULL_BLOCK:
+                continue  # a sliding window skips this position: nothing to copy
             if tier == "ram":
                 ram = self.index.blocks[key]
                 ram.locks += 1

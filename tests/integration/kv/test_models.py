@@ -9,6 +9,7 @@ import pytest
 from kv_engine import engine_kwargs, run_engine_script
 
 from server.kv.registry import Registry
+from tests.sizes import LONG
 
 pytestmark = pytest.mark.vllm
 
@@ -177,3 +178,28 @@ def test_sliding_window_groups_reuse_from_ram_and_disk_like_cache_off(
     assert bad["num_cached_tokens"] == 0
     assert bad["tokens"] == ref[1]["tokens"]
     assert bad["logprobs"] == pytest.approx(ref[1]["logprobs"], abs=1e-4)
+
+
+@pytest.mark.skipif(not LONG, reason="75 s of two TP ranks: make test-long")
+def test_sliding_window_groups_under_tensor_parallelism(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Two tensor-parallel ranks (one KV head each) and two KV cache groups: turn 2 loads turn
+    1's blocks from RAM on both ranks and answers as cache-off on the same ranks."""
+    from server.tiny_models import build_tiny_arch
+
+    model = build_tiny_arch("gemma3", tokenizer_from=smollm2_dir)
+    tp2 = {
+        **engine_kwargs(model, tmp_path / "cache"),
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+    }
+    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    turns = [
+        {"prompt": [400 + (i * 37) % 3000 for i in range(600)], "session": "g", "max_tokens": 16},
+        {"continue": list(range(900, 940)), "session": "g", "reset": True, "max_tokens": 16},
+    ]
+    hit = run_engine_script({"engine": tp2, "turns": turns}, tmp_path, env=env)
+    ref_turn = {"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 16, "reset": True}
+    (ref,) = run_engine_script({"engine": tp2, "turns": [ref_turn]}, tmp_path, env=env)
+    assert hit[1]["num_cached_tokens"] == 615
+    assert hit[1]["tokens"] == ref["tokens"]
+    assert hit[1]["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)

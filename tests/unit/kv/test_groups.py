@@ -24,6 +24,7 @@ KEY = "ab" * 32
 
 def test_refs_pair_each_position_across_groups() -> None:
     assert block_refs([[5, 6, 7]]) == [5, 6, 7]  # one group: plain ids, as before groups
+    assert saveable(5) and not saveable(NULL_BLOCK)  # one sliding group skips blocks too
     refs = block_refs([[5, 6, 7], [NULL_BLOCK, 9, 10]])
     assert refs == [(5, NULL_BLOCK), (6, 9), (7, 10)]
     assert [saveable(r) for r in refs] == [False, True, True]
