@@ -3,11 +3,12 @@
 With one KV cache group (every layer full attention, or vLLM's hybrid manager off) a request's
 block is one paged block id, the same in every layer (a group of sliding-window layers, as
 Mistral's, gives the positions its window skips the null block too). A model whose
-sliding-window layers run beside global ones (Gemma 2/3, gpt-oss) gets several groups from the hybrid manager: each
-group has its own block table, and a sliding-window group gives the blocks its window skips
-vLLM's null block (id 0) instead of memory. The connector then names a request's block by a
-:data:`BlockRef` holding its id in every group; both sides pass refs through unchanged and
-only the worker turns them into each layer's paged block id (:class:`LayerBlocks`).
+sliding-window layers run beside global ones (Gemma 2/3, gpt-oss) gets several groups from the
+hybrid manager: each group has its own block table, and a sliding-window group gives the blocks
+its window skips vLLM's null block (id 0) instead of memory. The connector then names a
+request's block by a :data:`BlockRef` holding its id in every group; both sides pass refs
+through unchanged and only the worker turns them into each layer's paged block id
+(:class:`LayerBlocks`).
 
 Plain Python (no torch, no vLLM): the scheduler side and the worker share it.
 """
