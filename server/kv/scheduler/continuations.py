@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.kv.keys import parse_tail_key, tail_key
-from server.kv.scheduler.tails import TailHit, keep_alive, parent_of
+from server.kv.scheduler.tails import TailHit, keep_alive, parent_of, prompt_token_ids
 
 MAX_CHILDREN = 16
 """Children remembered per parent block (the most recently learnt)."""
@@ -89,7 +89,7 @@ class Continuations:
     def learn_blocks(self, request: Any, first: int, keys: list[str]) -> None:
         """Note the request's full blocks from block ``first`` on, whose keys are ``keys``
         (computed or loaded)."""
-        token_ids = _token_ids(request)
+        token_ids = prompt_token_ids(request)
         if token_ids is None or not keys:
             return
         bs = self.block_size
@@ -102,7 +102,7 @@ class Continuations:
     def learn_tail(self, request: Any, key: str, full_blocks: int) -> None:
         """Note the request's tail ``key`` after its first ``full_blocks`` blocks (just
         queued for its save)."""
-        token_ids, parsed = _token_ids(request), parse_tail_key(key)
+        token_ids, parsed = prompt_token_ids(request), parse_tail_key(key)
         if token_ids is None or parsed is None:
             return
         parent, n = parsed
@@ -115,7 +115,7 @@ class Continuations:
         """The stored block that continues the request's first ``full_blocks`` blocks with
         the most of its next tokens (fewer than a block; at most ``num_tokens - 1`` counted in
         all). A block outside RAM must spare at least an eighth of a block to be worth a read."""
-        token_ids = _token_ids(request)
+        token_ids = prompt_token_ids(request)
         if token_ids is None:
             return None
         bs = self.block_size
@@ -172,13 +172,6 @@ class Continuations:
         prune (bounds the memory of blocks evicted or dropped meanwhile)."""
         if self._learnt > limit:
             self._learnt = keep_alive(self._children, alive)
-
-
-def _token_ids(request: Any) -> Sequence[int] | None:
-    """The request's token ids, or None where they do not name its inputs (multimodal)."""
-    if getattr(request, "mm_features", None):
-        return None
-    return getattr(request, "all_token_ids", None)
 
 
 def branch_blocks(

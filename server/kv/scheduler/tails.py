@@ -27,7 +27,7 @@ Contracts:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,16 @@ class PendingTail:
     req_id: str
     block_id: BlockRef
     key: str
+
+
+def prompt_token_ids(request: Any) -> Sequence[int] | None:
+    """The request's token ids, or None where they do not name its inputs: multimodal inputs
+    (placeholder ids) and prompt embeddings (``--enable-prompt-embeds``: the ids are
+    placeholders). vLLM's block hashes cover both, so whole blocks stay reusable; a tail or a
+    block shared up to a token inside it is named by token ids, so such a request has none."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    return getattr(request, "all_token_ids", None)
 
 
 def parent_of(request: Any, full_blocks: int) -> str:
@@ -120,8 +130,8 @@ class TailBook:
         """The tail that continues the request's first ``full_blocks`` blocks, if the prompt
         extends its tokens exactly and a tier holds it; at most ``num_tokens - 1`` tokens are
         counted in all (vLLM computes at least one)."""
-        token_ids = getattr(request, "all_token_ids", None)
-        if token_ids is None or getattr(request, "mm_features", None):
+        token_ids = prompt_token_ids(request)
+        if token_ids is None:
             return None
         parent = parent_of(request, full_blocks)
         tails = self._by_parent.get(parent)
@@ -144,12 +154,10 @@ class TailBook:
     ) -> str | None:
         """Queue the save of a finished request's tail (``computed`` tokens have KV); return
         its key, or None when there is none to save (no partial block, no RAM tier, no token
-        ids or block ids, multimodal inputs)."""
-        token_ids = getattr(request, "all_token_ids", None)
+        ids or block ids, inputs they do not name: :func:`prompt_token_ids`)."""
+        token_ids = prompt_token_ids(request)
         if not ram_on or not block_ids or token_ids is None:
             return None
-        if getattr(request, "mm_features", None):
-            return None  # placeholder token ids do not name the inputs
         full = computed // self.block_size
         n = computed - full * self.block_size
         if n <= 0 or full >= len(block_ids) or full > len(request.block_hashes):

@@ -119,6 +119,27 @@ def test_tail_needs_its_tokens_exactly(tmp_path: Path) -> None:
     assert sched.get_num_new_matched_tokens(TReq("r2", other, "s"), 0) == (2 * BS, False)
 
 
+@dataclass
+class EmbedsReq(TReq):
+    """A request of prompt embeddings (``--enable-prompt-embeds``): its token ids are
+    placeholders, only vLLM's block hashes (which hash the embeddings) name its inputs."""
+
+    prompt_embeds: object = "embeddings"
+
+
+def test_prompt_embeddings_get_whole_blocks_and_no_tail(tmp_path: Path) -> None:
+    sched = make(tmp_path, ram_blocks=8, disk_blocks=10)
+    seq = prompt(6, 2, extra=3)  # 2 whole blocks and a 2-token tail (the last has no KV)
+    first = turn(sched, EmbedsReq("r1", seq, "s"))
+    assert not first.tail_plan.saves  # no tail is saved under placeholder token ids
+    second = turn(sched, TReq("r2", seq, "s"))  # the same ids as tokens: their own tail
+    assert len(second.tail_plan.saves) == 1
+    assert sched.get_num_new_matched_tokens(TReq("r4", [*seq, 1], "s"), 0) == (2 * BS + 2, False)
+    # embeddings with the same placeholder ids: whole blocks only, never the tokens' tail
+    got = sched.get_num_new_matched_tokens(EmbedsReq("r3", [*seq, 1], "s"), 0)
+    assert got == (2 * BS, False)
+
+
 def test_first_block_tail_is_per_tenant_salt(tmp_path: Path) -> None:
     sched = make(tmp_path, ram_blocks=8, disk_blocks=10)
     seq = [5, 6, 7]  # no full block: the tail's parent is the salted root
