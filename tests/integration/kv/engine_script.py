@@ -2,13 +2,14 @@
 
 Usage: ``python engine_script.py SPEC.json``. SPEC: ``{"engine": <LLM kwargs incl.
 kv_connector_extra_config>, "async": bool, "turns": [...]}``; a turn is
-``{"prompt": [ids] | "messages": [...] | "continue": [ids], "session": str|null,
+``{"prompt": [ids] | "messages": [...] | "continue": [ids] | "repeat": n, "session": str|null,
 "cache": bool, "reset": bool, "max_tokens": int, "keep_text": bool}`` or
 ``{"prefetch": session}`` (async only: calls ``SessionControl.prefetch`` with the AsyncLLM as
 engine client). In ``messages``, an assistant
 message with content ``"$PREV"`` takes the text of the last kept answer; ``continue`` is the
 last turn's prompt and answer tokens followed by ``ids`` (the next turn of a conversation,
-token for token). Sync only:
+token for token); ``repeat`` is the prompt of result ``n`` again (a cache-off reference on the
+same engine). Sync only:
 ``{"signal": path}`` creates the file (the turns before it are done), ``{"await": path}``
 waits until the file exists (at most 300 s), ``{"settle": true}`` runs a ``SYNC_OP``
 request (the engine's registry records are committed when it returns).
@@ -39,6 +40,8 @@ class Runner:
         self.results: list[dict[str, Any]] = []
 
     def prompt(self, turn: dict[str, Any]) -> list[int]:
+        if "repeat" in turn:
+            return list(self.results[turn["repeat"]]["prompt"])
         if "continue" in turn:
             last = self.results[-1]
             return [*last["prompt"], *last["tokens"], *turn["continue"]]

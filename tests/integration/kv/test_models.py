@@ -39,12 +39,9 @@ def test_mla_on_cpu_gets_no_cached_tokens_and_the_cache_off_answers(
         {"continue": list(range(900, 940)), "session": "m", "reset": True, "max_tokens": 16},
         {"continue": list(range(1900, 1920)), "session": "m", "reset": True, "max_tokens": 16},
     ]
-    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
-    ref_turns = [
-        {"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 16},
-        {"prompt": hit[2]["prompt"], "cache": False, "max_tokens": 16},
-    ]
-    ref = run_engine_script({"engine": engine, "turns": ref_turns}, tmp_path)
+    ref_turns = [{"repeat": n, "cache": False, "max_tokens": 16, "reset": True} for n in (1, 2)]
+    *hit, ref_a, ref_b = run_engine_script({"engine": engine, "turns": turns + ref_turns}, tmp_path)
+    ref = [ref_a, ref_b]
     assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
     for got, want in zip(hit[1:], ref, strict=True):
         assert got["num_cached_tokens"] == 0
@@ -99,14 +96,9 @@ def test_a_recurrent_hybrid_starts_and_answers_like_cache_off(
         {"prompt": prompt, "session": "h", "max_tokens": 12},
         {"continue": list(range(900, 920)), "session": "h", "reset": True, "max_tokens": 12},
     ]
-    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
-    ref = run_engine_script(
-        {
-            "engine": engine,
-            "turns": [{"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 12}],
-        },
-        tmp_path,
-    )
+    ref_turn = {"repeat": 1, "cache": False, "max_tokens": 12, "reset": True}
+    *hit, ref_a = run_engine_script({"engine": engine, "turns": [*turns, ref_turn]}, tmp_path)
+    ref = [ref_a]
     if text_varies:
         assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
     assert hit[1]["num_cached_tokens"] == 0
@@ -143,19 +135,31 @@ def test_sliding_window_groups_reuse_from_ram_and_disk_like_cache_off(
         {"engine": engine, "turns": [{"prompt": third, "session": "g", "max_tokens": 16}]},
         tmp_path,
     )
-    ref = run_engine_script(
+    (manifest,) = cache.glob("blocks/*/manifest.json")
+    assert sorted(set(json.loads(manifest.read_text())["groups"])) == [0, 1]
+    # Damaged files: with several groups vLLM takes a failed load per request
+    # (failed_recving), recomputes the request whole, and the usage says nothing was cached.
+    for path in cache.glob("blocks/*/**/*"):
+        if path.is_file() and path.name != "manifest.json":
+            data = bytearray(path.read_bytes())
+            data[-100:] = bytes(100)  # damage the payload, keep the size
+            path.write_bytes(bytes(data))
+    # on the same engine, the cache-off answers of turns 2 and 3
+    bad, *ref = run_engine_script(
         {
             "engine": engine,
             "turns": [
-                {"prompt": t["prompt"], "cache": False, "max_tokens": 16, "reset": True}
-                for t in hit[1:]
+                {"prompt": third, "session": "g", "max_tokens": 16},
+                *(
+                    {"prompt": t["prompt"], "cache": False, "max_tokens": 16, "reset": True}
+                    for t in hit[1:]
+                ),
             ],
         },
         tmp_path,
     )
-    (manifest,) = cache.glob("blocks/*/manifest.json")
-    assert sorted(set(json.loads(manifest.read_text())["groups"])) == [0, 1]
     assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
+    assert [r["num_cached_tokens"] for r in ref] == [0, 0]
     # From RAM, every token before the new message: turn 1's 600 + 16 (the last one has no
     # KV); from disk after the restart, turn 2's five whole blocks (its tail was still to be
     # saved when that engine stopped).
@@ -164,20 +168,52 @@ def test_sliding_window_groups_reuse_from_ram_and_disk_like_cache_off(
         assert got["num_cached_tokens"] >= least
         assert got["tokens"] == want["tokens"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
-    # Damaged files: with several groups vLLM takes a failed load per request
-    # (failed_recving), recomputes the request whole, and the usage says nothing was cached.
-    for path in cache.glob("blocks/*/**/*"):
-        if path.is_file() and path.name != "manifest.json":
-            data = bytearray(path.read_bytes())
-            data[-100:] = bytes(100)  # damage the payload, keep the size
-            path.write_bytes(bytes(data))
-    (bad,) = run_engine_script(
-        {"engine": engine, "turns": [{"prompt": third, "session": "g", "max_tokens": 16}]},
-        tmp_path,
-    )
     assert bad["num_cached_tokens"] == 0
     assert bad["tokens"] == ref[1]["tokens"]
     assert bad["logprobs"] == pytest.approx(ref[1]["logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "mistral",  # one group of sliding-window layers: its window's skipped blocks are null
+        pytest.param("qwen3", marks=pytest.mark.skipif(not LONG, reason="make test-long")),
+        pytest.param("mixtral", marks=pytest.mark.skipif(not LONG, reason="make test-long")),
+    ],
+)
+def test_architecture_reuses_history_from_ram_and_disk_like_cache_off(
+    arch: str, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """Turn 2 from RAM, turn 3 from disk on a new engine; then, on that engine, both prompts
+    cache-off: the same tokens and logprobs."""
+    from server.tiny_models import build_tiny_arch
+
+    engine = engine_kwargs(build_tiny_arch(arch, tokenizer_from=smollm2_dir), tmp_path / "c")
+    turns = [
+        {"prompt": [400 + (i * 37) % 3000 for i in range(600)], "session": "a", "max_tokens": 16},
+        {"continue": list(range(900, 940)), "session": "a", "reset": True, "max_tokens": 16},
+    ]
+    hit = run_engine_script({"engine": engine, "turns": turns}, tmp_path)
+    third = [*hit[1]["prompt"], *hit[1]["tokens"], *range(1900, 1930)]
+    disk, *ref = run_engine_script(
+        {
+            "engine": engine,
+            "turns": [
+                {"prompt": third, "session": "a", "max_tokens": 16},
+                *(
+                    {"prompt": p, "cache": False, "max_tokens": 16, "reset": True}
+                    for p in (hit[1]["prompt"], third)
+                ),
+            ],
+        },
+        tmp_path,
+    )
+    assert len(set(hit[0]["tokens"])) > 1, "the tiny model's text must depend on the context"
+    assert [r["num_cached_tokens"] for r in ref] == [0, 0]
+    for got, want, least in zip([hit[1], disk], ref, (615, 640), strict=True):
+        assert got["num_cached_tokens"] >= least
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
 @pytest.mark.skipif(not LONG, reason="75 s of two TP ranks: make test-long")
