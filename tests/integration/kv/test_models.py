@@ -233,9 +233,8 @@ def test_sliding_window_groups_under_tensor_parallelism(smollm2_dir: Path, tmp_p
         {"prompt": [400 + (i * 37) % 3000 for i in range(600)], "session": "g", "max_tokens": 16},
         {"continue": list(range(900, 940)), "session": "g", "reset": True, "max_tokens": 16},
     ]
-    hit = run_engine_script({"engine": tp2, "turns": turns}, tmp_path, env=env)
-    ref_turn = {"prompt": hit[1]["prompt"], "cache": False, "max_tokens": 16, "reset": True}
-    (ref,) = run_engine_script({"engine": tp2, "turns": [ref_turn]}, tmp_path, env=env)
+    ref_turn = {"repeat": 1, "cache": False, "max_tokens": 16, "reset": True}
+    *hit, ref = run_engine_script({"engine": tp2, "turns": [*turns, ref_turn]}, tmp_path, env=env)
     assert hit[1]["num_cached_tokens"] == 615
     assert hit[1]["tokens"] == ref["tokens"]
     assert hit[1]["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
