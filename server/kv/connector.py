@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -243,7 +243,7 @@ class SessionKVConnector(KVConnectorBase_V1):
         if self.worker.layer_groups:  # vLLM takes these per request (every load is async)
             self._failed_loads = self.worker.failed_requests(errors, finished)
             errors = set()
-        self._load_errors = {e for e in errors if isinstance(e, int)}
+        self._load_errors = cast("set[int]", errors)  # one group: refs are block ids
         return self.worker.take_released() or None, finished or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -98,8 +98,9 @@ def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     """Why the connector must offer no stored KV for this engine, or None when it can.
 
     Several KV cache groups are served when every group is paged attention of one block size
-    and one group holds every block (full attention or MLA): the blocks are keyed by that
-    group's ids, and a sliding-window group's skipped blocks are vLLM's null block."""
+    and one group holds every block (full attention or MLA, not a sliding window): a stored
+    block then has every layer at its positions, and a sliding-window group's skipped blocks
+    are vLLM's null block (:mod:`server.kv.groups`)."""
     if not vllm_config.cache_config.enable_prefix_caching:
         mla = vllm_config.model_config is not None and vllm_config.model_config.use_mla
         return (
@@ -115,17 +116,8 @@ def why_no_reuse(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     if len(groups) > 1:
         if len({int(g.kv_cache_spec.block_size) for g in groups}) != 1:
             return "its KV cache groups have different block sizes"
-        if identity_group(kv_cache_config) is None:
+        if all(k == "SlidingWindowSpec" for k in kinds):
             return f"none of its {len(groups)} KV cache groups holds every block"
-    return None
-
-
-def identity_group(kv_cache_config: KVCacheConfig) -> int | None:
-    """The KV cache group whose block ids name a request's blocks: the first that holds every
-    block (not a sliding window); None when every group is a sliding window."""
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        if type(group.kv_cache_spec).__name__ != "SlidingWindowSpec":
-            return i
     return None
 
 

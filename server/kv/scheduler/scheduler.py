@@ -215,8 +215,10 @@ class SessionKVScheduler:
             return
         unslotted = [
             k
-            for k, t in zip(keys, tiers, strict=True)
-            if t != "ram" and self.index.blocks.get(k, _NO_STATE).slot == NO_SLOT
+            for offset, (k, t) in enumerate(zip(keys, tiers, strict=True))
+            if t != "ram"
+            and block_ids[lookup.start + offset] != NULL_BLOCK  # skipped: never read
+            and self.index.blocks.get(k, _NO_STATE).slot == NO_SLOT
         ]
         promote = self.index.alloc_slots(len(unslotted), protect=set(keys))
         items: list[LoadItem] = []

@@ -49,13 +49,7 @@ class LoadAccounting:
         recomputes such a request whole), then forget the loads that finished."""
         for req_id in failed:
             request, _ = self._loads.get(req_id, (None, []))
-            stats = getattr(request, "prefill_stats", None)
-            if stats is not None:
-                stats.set(
-                    num_prompt_tokens=stats.num_prompt_tokens,
-                    num_local_cached_tokens=stats.num_local_cached_tokens,
-                    num_external_cached_tokens=0,
-                )
+            _lower_external(request, 0)
         invalid = set(invalid_block_ids)
         if invalid:
             for req_id, (request, ids) in list(self._loads.items()):
@@ -63,17 +57,21 @@ class LoadAccounting:
                 if bad is None:
                     continue
                 self._loads[req_id] = (request, ids[:bad])
-                stats = getattr(request, "prefill_stats", None)
-                kept = bad * self.block_size
-                if stats is not None and kept < stats.num_external_cached_tokens:
-                    stats.set(
-                        num_prompt_tokens=stats.num_prompt_tokens,
-                        num_local_cached_tokens=stats.num_local_cached_tokens,
-                        num_external_cached_tokens=kept,
-                    )
+                _lower_external(request, bad * self.block_size)
         for req_id in finished:
             self._loads.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         """The request finished."""
         self._loads.pop(req_id, None)
+
+
+def _lower_external(request: Any, kept: int) -> None:
+    """Lower the request's external cached tokens to ``kept`` (never raise them)."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is not None and kept < stats.num_external_cached_tokens:
+        stats.set(
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_local_cached_tokens=stats.num_local_cached_tokens,
+            num_external_cached_tokens=kept,
+        )

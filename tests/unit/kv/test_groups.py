@@ -105,11 +105,10 @@ def _engine(*kinds: str, block_sizes: tuple[int, ...] = ()) -> tuple[object, obj
 
 
 def test_which_group_layouts_are_served() -> None:
-    from server.kv.layout import _mixed_attention, identity_group, why_no_reuse
+    from server.kv.layout import _mixed_attention, why_no_reuse
 
     assert why_no_reuse(*_engine("FullAttentionSpec")) is None
     assert why_no_reuse(*_engine("SlidingWindowSpec", "FullAttentionSpec")) is None
-    assert identity_group(_engine("SlidingWindowSpec", "FullAttentionSpec")[1]) == 1
     both_sliding = why_no_reuse(*_engine("SlidingWindowSpec", "SlidingWindowSpec"))
     assert "holds every block" in str(both_sliding)
     assert "MambaSpec" in str(why_no_reuse(*_engine("MambaSpec", "FullAttentionSpec")))
