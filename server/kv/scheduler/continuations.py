@@ -133,9 +133,11 @@ class Continuations:
     ) -> list[str]:
         """The session's block list after the request's turn: its ``path``, then the other
         continuations of ``old`` (:func:`branch_blocks`, at most ``limit`` blocks)."""
-        token_ids = getattr(request, "all_token_ids", None)
-        if token_ids is None or not old:
+        if not old:
             return path
+        # ids that name the prompt only: placeholder ids (prompt embeddings, multimodal) never
+        # count as running through an old tail, so every other branch is kept
+        token_ids = prompt_token_ids(request) or ()
         root = parent_of(request, 0)
         return branch_blocks(path, old, token_ids, self.block_size, root, limit)
 

@@ -113,3 +113,20 @@ def test_children_per_parent_are_bounded() -> None:
     assert book.longest("p", [999], 3, lambda k: "ram") is None
     book.prune(lambda k: k.endswith("9"), 0)
     assert len(book) == 2  # k9 and k19
+
+
+def test_placeholder_ids_never_run_through_an_old_tail() -> None:
+    """A prompt of embeddings has placeholder ids: they may equal an old tail's tokens, yet
+    the turn did not run through that tail, so the session keeps it (eviction ranking)."""
+    from types import SimpleNamespace
+
+    from server.kv.keys import tail_key
+    from server.kv.scheduler.tails import parent_of
+
+    req = SimpleNamespace(all_token_ids=[7] * (BS + 3), cache_salt=None, lora_request=None,
+                          mm_features=None, prompt_embeds=None, block_hashes=[])  # fmt: skip
+    old_tail = tail_key(parent_of(req, 0), [7, 7, 7])
+    cont = Continuations(BS)
+    assert cont.session_blocks(req, ["a"], [old_tail, "x"], 8) == ["a", "x"]
+    embeds = SimpleNamespace(**{**vars(req), "prompt_embeds": object()})
+    assert cont.session_blocks(embeds, ["a"], [old_tail, "x"], 8) == ["a", old_tail, "x"]
