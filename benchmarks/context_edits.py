@@ -6,22 +6,28 @@ reuse of what follows it. This benchmark runs the same agent conversations under
 edit and prints, per kind, what could be reused and what was:
 
 - the agent: LangChain 1.x ``create_agent`` on ``ChatKVCache`` with one tool (``lookup``,
-  a ~120-token result); each turn forces one tool call and then a text answer (two model
-  calls); ``--threads`` threads interleaved one turn at a time over ``--turns`` turns, so a
-  thread's KV leaves vLLM's resident cache between its turns and comes back from the tiers;
+  a ~120-token result); each turn forces one tool call (up to 48 tokens) and then a text
+  answer (up to 24; two model calls); ``--threads`` threads interleaved one turn at a time
+  over ``--turns`` turns, so a thread's KV leaves vLLM's resident cache between its turns
+  and comes back from the tiers;
 - the edits (LangChain's own middleware where it has one): ``none``; ``trim W`` (a
   ``wrap_model_call`` with ``trim_messages(strategy="last")`` at a window of W tokens, two
   sizes); ``stepped W`` (:class:`langgraph_kvcache.middleware.SteppedTrimMiddleware`, same
   windows); ``summary`` (``SummarizationMiddleware``, keeping the last 6 messages);
+  ``cached summary`` (:class:`langgraph_kvcache.middleware.CachedSummarizationMiddleware`,
+  the same trigger and keep: its summary call continues the thread's conversation);
   ``clear tools`` (``ContextEditingMiddleware`` with ``ClearToolUsesEdit``, keeping 2 results);
 - per kind, over the model calls after the first edit of each thread: **prefix** (the longest
   prefix the prompt shares with an earlier prompt of its thread: the most that exact reuse can
   read), **anywhere** (the prompt's tokens that occur, in runs of 16 or more, in earlier
   prompts of its thread: what position-independent reuse could read), **cached** (what the
   server read from its cache, ``cached_tokens``), and the time to first token p50 with the
-  cache and in a run of the same calls with nothing cached (a fresh ``cache_salt`` per call);
+  cache (one ``cache_salt`` per kind, so a kind never reads another kind's identical prompts)
+  and in a run of the same calls with nothing cached (a fresh ``cache_salt`` per call);
   greedy answers are the same in both runs (exact reuse changes no output), which the
-  benchmark checks.
+  benchmark checks;
+- per summary kind, the summary calls: their prompt tokens, the tokens recomputed (prompt less
+  cached) and the time of a summary call, with the cache and without.
 
 Token counts come from the server's ``/tokenize`` with the same messages and tools.
 
@@ -71,6 +77,8 @@ class Call:
 @dataclass
 class Run:
     calls: list[Call] = field(default_factory=list)
+    summaries: list[tuple[int, int, float]] = field(default_factory=list)
+    """(cached tokens, prompt tokens, seconds) of each summary call."""
 
 
 @tool
@@ -91,7 +99,7 @@ def middlewares(kind: str, window: int, summarizer: Any) -> list[Any]:
     )
     from langchain_core.messages import trim_messages
 
-    from langgraph_kvcache.middleware import SteppedTrimMiddleware
+    from langgraph_kvcache.middleware import CachedSummarizationMiddleware, SteppedTrimMiddleware
 
     if kind == "none":
         return []
@@ -109,21 +117,39 @@ def middlewares(kind: str, window: int, summarizer: Any) -> list[Any]:
     if kind == "summary":
         return [SummarizationMiddleware(summarizer, trigger=("tokens", window),
                                         keep=("messages", 6))]  # fmt: skip
+    if kind == "cached summary":
+        return [
+            CachedSummarizationMiddleware(
+                summarizer, trigger=("tokens", window), keep=("messages", 6), max_summary_tokens=64
+            )
+        ]
     if kind == "clear tools":
         return [ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=window, keep=2)])]
     raise ValueError(kind)
 
 
 class _FirstToken(BaseCallbackHandler):
-    """A callback handler: the time from each chat model start to its first streamed token."""
+    """A callback handler: the time from each chat model start to its first streamed token;
+    the usage and time of each summary call (``lc_source: summarization``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: Run) -> None:
         self.started: dict[Any, float] = {}
         self.first: dict[Any, float] = {}
+        self.summary_runs: set[Any] = set()
+        self.run = run
 
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: Any,
-                            **kw: Any) -> None:  # fmt: skip
+                            metadata: dict[str, Any] | None = None, **kw: Any) -> None:  # fmt: skip
         self.started[run_id] = time.perf_counter()
+        if (metadata or {}).get("lc_source") == "summarization":
+            self.summary_runs.add(run_id)
+
+    def on_llm_end(self, response: Any, *, run_id: Any, **kw: Any) -> None:
+        if run_id in self.summary_runs:
+            usage = response.generations[0][0].message.usage_metadata or {}
+            cached = (usage.get("input_token_details") or {}).get("cache_read", 0) or 0
+            seconds = time.perf_counter() - self.started[run_id]
+            self.run.summaries.append((int(cached), int(usage.get("input_tokens", 0)), seconds))
 
     def on_llm_new_token(self, token: str, *, run_id: Any, **kw: Any) -> None:
         if run_id in self.started and run_id not in self.first:
@@ -147,18 +173,32 @@ def run_kind(url: str, model_name: str, kind: str, window: int, threads: int, tu
     tools_json = [convert_to_openai_tool(lookup)]
     model = ChatKVCache(base_url=f"{url}/v1", model=model_name, max_tokens=24, streaming=True,
                         timeout=300)  # fmt: skip
+    # with the cache, one salt per kind: a kind reads only its own calls' KV, never another
+    # kind's identical prompts (two edits that leave the same prompts would read each other's)
+    kind_salt = f"{tag}-{kind}-{window}".replace(" ", "-")
+    salt = {"extra_body": {"cache_salt": kind_salt if cached else uuid.uuid4().hex}}
     summarizer = ChatKVCache(base_url=f"{url}/v1", model=model_name, max_tokens=64,
-                             session_id=f"summarizer-{tag}")  # fmt: skip
+                             session_id=f"summarizer-{tag}", **salt)  # fmt: skip
+    if kind == "cached summary":
+        summarizer = model  # it summarises with the agent's own model, in the thread's session
     run = Run()
-    timer = _FirstToken()
+    timer = _FirstToken(run)
     http = httpx.Client(base_url=url, timeout=60)
+
+    @wrap_model_call
+    def salted(request: Any, handler: Any) -> Any:
+        """Outermost: the kind's ``cache_salt``, or without the cache a fresh one (a summary
+        call made in a middleware gets it too)."""
+        fresh = kind_salt if cached else uuid.uuid4().hex
+        settings = {**request.model_settings, "extra_body": {"cache_salt": fresh}}
+        return handler(request.override(model_settings=settings))
 
     @wrap_model_call
     def record(request: Any, handler: Any) -> Any:
         """Innermost: force the turn's tool call, tokenize what the model sees, note usage."""
         forced = isinstance(request.messages[-1], HumanMessage)
         settings = {} if cached else {"extra_body": {"cache_salt": uuid.uuid4().hex}}
-        settings = {**request.model_settings, **settings}
+        settings = {**request.model_settings, **settings, **({"max_tokens": 48} if forced else {})}
         request = request.override(tool_choice="lookup" if forced else "none",
                                    model_settings=settings)  # fmt: skip
         msgs = ([request.system_message] if request.system_message else []) + request.messages
@@ -183,7 +223,7 @@ def run_kind(url: str, model_name: str, kind: str, window: int, threads: int, tu
         thread = f"edits-{tag}-{kind.replace(' ', '-')}-{window}-{i}-{'c' if cached else 'n'}"
         agents[thread] = create_agent(
             model, tools=[lookup], system_prompt="You answer from the notes you look up.",
-            middleware=[*middlewares(kind, window, summarizer), record],
+            middleware=[salted, *middlewares(kind, window, summarizer), record],
             checkpointer=InMemorySaver(),
         )  # fmt: skip
     for turn in range(turns):
@@ -252,13 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=None, help="turns per thread (10)")
     ap.add_argument("--windows", type=int, nargs="+", default=None,
                     help="trim/summary/clear thresholds in tokens (600 1200)")  # fmt: skip
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="only these edit kinds (none, trim, stepped, summary, 'cached summary', "
+                         "'clear tools')")  # fmt: skip
     ap.add_argument("--reserved-cpus", type=int, default=0)
     args = ap.parse_args(argv)
     threads = args.threads or (2 if args.quick else 3)
     turns = args.turns or (8 if args.quick else 10)
     windows = args.windows or ([600] if args.quick else [600, 1200])
     kinds = [("none", 0)] + [(k, w) for w in windows for k in ("trim", "stepped")]
-    kinds += [("summary", windows[-1]), ("clear tools", windows[0])]
+    kinds += [("summary", windows[-1]), ("cached summary", windows[-1]),
+              ("clear tools", windows[0])]  # fmt: skip
+    if args.kinds:
+        kinds = [(k, w) for k, w in kinds if k in args.kinds]
     flags = ["--kv-cache-memory-bytes", "128MiB", "--max-model-len", "2560", "--max-num-seqs",
              "8", "--kv-ram-bytes", "1GiB", "--kv-disk-bytes", "4GiB"]  # fmt: skip
     started = time.perf_counter()
@@ -274,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             off = run_kind(server.url, name, kind, window, threads, turns, False, tag)
             same = [a.answer for a in on.calls] == [b.answer for b in off.calls]
             f_on, f_off = figures(on), figures(off)
-            rows.append((label, f_on, f_off, same))
+            rows.append((label, f_on, f_off, same, on.summaries, off.summaries))
             say(f"{label}: {f_on} / no cache TTFT {f_off.get('ttft', 0) * 1000:.0f} ms; "
                 f"answers identical: {same} ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
         cores = server.omp_cores()
@@ -286,14 +332,31 @@ def main(argv: list[str] | None = None) -> int:
         "TTFT p50 no cache | speed-up | answers = no cache |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, f, off, same in rows:
+    for label, f, off, same, _, _ in rows:
         if not f.get("calls"):
             print(f"| {label} | 0 (no call was edited) | | | | | | | {same} |")
             continue
         print(f"| {label} | {f['calls']:.0f} | {f['prefix']:.2f} | {f['anywhere']:.2f} | "
               f"{f['cached']:.2f} | {f['ttft'] * 1000:.0f} ms | {off['ttft'] * 1000:.0f} ms | "
               f"{off['ttft'] / f['ttft']:.2f}x | {same} |")  # fmt: skip
+    summary_table([(r[0], r[4], r[5]) for r in rows if r[4]])
     return 0
+
+
+def summary_table(rows: list[tuple[str, list[tuple[int, int, float]], list[Any]]]) -> None:
+    """The summary calls of each summary kind: prompt, recomputed, share cached, time."""
+    print()
+    print("| summary calls | calls | prompt tokens (mean) | recomputed per call (mean) | "
+          "cached | time p50 cached | time p50 no cache |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, on, off in rows:
+        prompt = sum(p for _, p, _ in on)
+        recomputed = sum(p - c for c, p, _ in on)
+        t_on = statistics.median(t for *_, t in on)
+        t_off = statistics.median(t for *_, t in off) if off else float("nan")
+        share = 1 - recomputed / prompt
+        print(f"| {label} | {len(on)} | {prompt / len(on):.0f} | {recomputed / len(on):.0f} | "
+              f"{share:.2f} | {t_on * 1000:.0f} ms | {t_off * 1000:.0f} ms |")  # fmt: skip
 
 
 if __name__ == "__main__":

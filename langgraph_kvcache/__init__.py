@@ -8,6 +8,8 @@ torch or vLLM):
 - :class:`KVCacheClient` / :class:`AsyncKVCacheClient`: the session API client.
 - :func:`trim_messages_stepped` / :class:`SteppedTrimMiddleware`: trimming that keeps the
   prompt's prefix, so the server still reuses the KV (the middleware needs ``langchain``).
+- :class:`CachedSummarizationMiddleware`: LangChain's summarization with a summary call that
+  continues the conversation, so the server reads the history from the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ _EXPORTS = {
     "session_id_for": "langgraph_kvcache.sessions",
     "trim_messages_stepped": "langgraph_kvcache.trim",
     "SteppedTrimMiddleware": "langgraph_kvcache.middleware",
+    "CachedSummarizationMiddleware": "langgraph_kvcache.middleware",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
     from langgraph_kvcache.checkpoint.sync import SQLAlchemySaver as SQLAlchemySaver
     from langgraph_kvcache.client import AsyncKVCacheClient as AsyncKVCacheClient
     from langgraph_kvcache.client import KVCacheClient as KVCacheClient
+    from langgraph_kvcache.middleware import (
+        CachedSummarizationMiddleware as CachedSummarizationMiddleware,
+    )
     from langgraph_kvcache.middleware import SteppedTrimMiddleware as SteppedTrimMiddleware
     from langgraph_kvcache.sessions import session_id_for as session_id_for
     from langgraph_kvcache.trim import trim_messages_stepped as trim_messages_stepped

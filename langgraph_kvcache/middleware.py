@@ -1,4 +1,4 @@
-"""Stepped trimming as a LangChain 1.x agent middleware, for ``create_agent``.
+"""Context edits that keep the server's KV reusable, as LangChain 1.x agent middleware.
 
 :class:`SteppedTrimMiddleware` trims what each model call of an agent sees with
 :func:`langgraph_kvcache.trim_messages_stepped` (see :mod:`langgraph_kvcache.trim`): the cut
@@ -15,26 +15,55 @@ every rerun. ::
         ChatKVCache(), tools, middleware=[SteppedTrimMiddleware(max_tokens=2000)]
     )
 
+:class:`CachedSummarizationMiddleware` is LangChain's ``SummarizationMiddleware`` with its
+summary call placed where the cache can serve it: the call continues the agent's own
+conversation (its system prompt, its tools, the messages to summarise, then an instruction) in
+the thread's session, so the server reads those messages' KV instead of recomputing a copy of
+them pasted into a fresh prompt. ::
+
+    agent = create_agent(
+        ChatKVCache(), tools,
+        middleware=[CachedSummarizationMiddleware(ChatKVCache(), trigger=("tokens", 3000))],
+    )
+
 Needs the ``langchain`` package (1.x); ``import langgraph_kvcache`` does not import it.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, HumanMessage, RemoveMessage
+from langgraph.constants import TAG_NOSTREAM
+from langgraph.graph.message import REMOVE_ALL_MESSAGES
+from langgraph.types import Command
 
 from langgraph_kvcache.trim import TokenCounter, count_with, trim_messages_stepped
 
 try:
     from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
+    from langchain.agents.middleware import summarization as _summarization
+    from langchain.agents.middleware.summarization import SummarizationMiddleware
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "langgraph_kvcache.middleware needs LangChain 1.x's agents: pip install 'langchain>=1,<2'"
     ) from exc
 
-__all__ = ["SteppedTrimMiddleware"]
+try:  # a later 1.x addition: how wrap_model_call writes the agent's state
+    from langchain.agents.middleware.types import ExtendedModelResponse
+except ImportError:  # pragma: no cover - depends on the installed LangChain
+    ExtendedModelResponse = None  # type: ignore[assignment,misc]
+
+__all__ = ["CachedSummarizationMiddleware", "SteppedTrimMiddleware"]
+
+SUMMARY_INSTRUCTION = (
+    "Summarize the conversation above for your own later use: the user's requests, the facts "
+    "found and the answers given. Reply with the summary only."
+)
+"""The instruction that ends :class:`CachedSummarizationMiddleware`'s summary call."""
 
 
 class SteppedTrimMiddleware(AgentMiddleware):  # type: ignore[type-arg]
@@ -96,3 +125,145 @@ class SteppedTrimMiddleware(AgentMiddleware):  # type: ignore[type-arg]
     ) -> Any:
         """Async :meth:`wrap_model_call`."""
         return await handler(self.trimmed(request))
+
+
+class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[type-arg]
+    """``SummarizationMiddleware`` whose summary call reads the conversation from the cache.
+
+    LangChain's middleware writes the summary with a fresh prompt: the messages to summarise
+    pasted as text into ``summary_prompt``. Nothing of that prompt was ever computed, so the
+    server recomputes the whole history at the moment it is longest. This subclass decides when
+    and what to summarise exactly as its parent does (``trigger``, ``keep``, ``token_counter``,
+    tool calls kept with their results), but it summarises inside the agent's model call, where
+    it knows the agent's system prompt and tools: the summary call is the agent's own prompt up
+    to the cut (system prompt, tools, the messages to summarise) followed by ``instruction``,
+    sent with ``tool_choice="none"`` and the call's model settings (a ``cache_salt`` among them)
+    through the agent's model in the thread's session. It reads the messages the model call
+    would send (``request.messages``): list it after middleware that rewrites them. Its
+    prompt extends the earlier calls' prompts token for token, so the server serves it from the
+    thread's KV. The agent's state then holds the summary and the kept messages, as with the
+    parent, and the same model call goes on with them.
+
+    What the cache serves after a summary (exact reuse): the summary call reads the history up
+    to the cut; the first call after it recomputes the summary and the kept messages (their
+    positions moved); the calls after that extend it again.
+
+    Args:
+        model: the agent's chat model (token counting and fractional limits, as the parent).
+        instruction: the user message that asks for the summary.
+        max_summary_tokens: the summary's token limit (default: the model's own ``max_tokens``).
+        trigger, keep, token_counter: as ``SummarizationMiddleware``. Nothing is trimmed before
+            the summary call (``trim_tokens_to_summarize``): its prompt is what the agent's
+            last call already held, plus the instruction.
+    """
+
+    def __init__(
+        self,
+        model: str | BaseChatModel,
+        *,
+        instruction: str = SUMMARY_INSTRUCTION,
+        max_summary_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if ExtendedModelResponse is None:  # pragma: no cover - depends on the installed LangChain
+            raise ImportError(
+                "CachedSummarizationMiddleware needs a LangChain 1.x with "
+                "langchain.agents.middleware.types.ExtendedModelResponse: pip install -U langchain"
+            )
+        for name in ("summary_prompt", "summarizer", "trim_tokens_to_summarize"):
+            if name in kwargs:
+                raise TypeError(
+                    f"CachedSummarizationMiddleware takes no {name!r}: its summary call is the "
+                    "agent's own prompt plus `instruction`"
+                )
+        if max_summary_tokens is not None and max_summary_tokens <= 0:
+            raise ValueError(f"max_summary_tokens must be > 0, got {max_summary_tokens}")
+        super().__init__(model, trim_tokens_to_summarize=None, **kwargs)
+        self.instruction = instruction
+        self.max_summary_tokens = max_summary_tokens
+
+    def before_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Nothing here: the summary is written inside the model call (see the class doc)."""
+        return None
+
+    async def abefore_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Nothing here: the summary is written inside the model call (see the class doc)."""
+        return None
+
+    def split(self, request: ModelRequest) -> tuple[list[AnyMessage], list[AnyMessage]] | None:
+        """The messages to summarise and those kept, or None when no summary is due."""
+        messages = list(request.messages)
+        self._ensure_message_ids(messages)
+        if not self._should_summarize(messages, self.token_counter(messages)):
+            return None
+        cutoff = self._determine_cutoff_index(messages)
+        if cutoff <= 0:
+            return None
+        return self._partition_messages(messages, cutoff)
+
+    def summary_call(self, request: ModelRequest, to_summarize: list[AnyMessage]) -> tuple[
+        Any, list[BaseMessage]
+    ]:  # fmt: skip
+        """The model (the agent's, with its tools, ``tool_choice="none"`` and the call's model
+        settings) and the messages of the summary call: the agent's prompt up to the cut, then
+        the instruction."""
+        model: Any = request.model
+        settings = dict(request.model_settings)  # the same options: a cache_salt above all
+        if request.tools:
+            model = model.bind_tools(request.tools, tool_choice="none", **settings)
+        elif settings:
+            model = model.bind(**settings)
+        if self.max_summary_tokens is not None:
+            model = model.bind(max_tokens=self.max_summary_tokens)
+        system = [request.system_message] if request.system_message is not None else []
+        return model, [*system, *to_summarize, HumanMessage(content=self.instruction)]
+
+    def _history(self, summary: BaseMessage, kept: list[AnyMessage]) -> list[AnyMessage]:
+        """The summary message (the parent's wording) followed by the kept messages."""
+        return [*self._build_new_messages(summary.text.strip()), *kept]
+
+    @staticmethod
+    def _written(response: Any, messages: list[AnyMessage]) -> Any:
+        """The model call's result with a state update that replaces the history by
+        ``messages`` followed by the call's own messages."""
+        result = response.result if isinstance(response, ModelResponse) else [response]
+        for message in result:
+            if message.id is None:
+                message.id = str(uuid.uuid4())
+        update = [RemoveMessage(id=REMOVE_ALL_MESSAGES), *messages, *result]
+        if not isinstance(response, ModelResponse):
+            response = ModelResponse(result=result)
+        return ExtendedModelResponse(
+            model_response=response, command=Command(update={"messages": update})
+        )
+
+    def wrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]
+    ) -> Any:
+        """Summarise first when due (see the class doc), then call the model."""
+        split = self.split(request)
+        if split is None:
+            return handler(request)
+        model, prompt = self.summary_call(request, split[0])
+        messages = self._history(model.invoke(prompt, config=_summary_config()), split[1])
+        return self._written(handler(request.override(messages=messages)), messages)
+
+    async def awrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
+    ) -> Any:
+        """Async :meth:`wrap_model_call`."""
+        split = self.split(request)
+        if split is None:
+            return await handler(request)
+        model, prompt = self.summary_call(request, split[0])
+        messages = self._history(await model.ainvoke(prompt, config=_summary_config()), split[1])
+        return self._written(await handler(request.override(messages=messages)), messages)
+
+
+def _summary_config() -> Any:
+    """The config of LangChain's own summary calls (marked internal, never streamed to the
+    caller), or the same marks where this LangChain has no such function."""
+    own = getattr(_summarization, "_summary_config", None)
+    if callable(own):
+        return own()
+    return {"metadata": {"lc_source": "summarization"}, "tags": [TAG_NOSTREAM]}
