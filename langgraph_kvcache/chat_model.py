@@ -44,7 +44,6 @@ its token limit. Without a schema, JSON mode is plain ``{"type": "json_object"}`
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
@@ -60,7 +59,9 @@ from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
 from langgraph_kvcache.contract import SESSION_HEADER
+from langgraph_kvcache.cut_calls import StreamedCall, has_whole_call
 from langgraph_kvcache.errors import ToolCallCutError
+from langgraph_kvcache.reasoning import keep_reasoning, keep_streamed_reasoning, send_reasoning
 from langgraph_kvcache.sessions import (
     current_config,
     session_id_from_config,
@@ -118,6 +119,12 @@ class ChatKVCache(ChatOpenAI):
 
     session_id: str | None = None
     """Fixed session for every call of this model; ``None``: follow the running thread."""
+
+    preserve_reasoning: bool = False
+    """Keep every turn's reasoning in the prompt (:mod:`langgraph_kvcache.reasoning`): answers
+    keep theirs in ``additional_kwargs["reasoning_content"]``, requests send it back and ask
+    the chat template to keep it (``chat_template_kwargs.preserve_thinking``), so the next
+    turn's prompt extends what the model generated and the server reads it from the cache."""
 
     @model_validator(mode="before")
     @classmethod
@@ -274,10 +281,24 @@ class ChatKVCache(ChatOpenAI):
         """
         kwargs = self._with_session(None, kwargs)
         payload = super()._get_request_payload(input_, stop=stop, **kwargs)
+        if self.preserve_reasoning and "messages" in payload:
+            payload = send_reasoning(payload, self._convert_input(input_).to_messages())
         sid = payload.get(SESSION_FIELD)
         if sid is not None:
             payload["extra_headers"] = {**(payload.get("extra_headers") or {}), SESSION_HEADER: sid}
         return payload
+
+    def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        return keep_reasoning(result, response) if self.preserve_reasoning else result
+
+    def _convert_chunk_to_generation_chunk(
+        self, chunk: dict, default_chunk_class: type, base_generation_info: dict | None
+    ) -> ChatGenerationChunk | None:
+        out = super()._convert_chunk_to_generation_chunk(
+            chunk, default_chunk_class, base_generation_info
+        )
+        return keep_streamed_reasoning(out, chunk) if self.preserve_reasoning else out
 
     # -- errors that say where and what ---------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> ChatResult:
@@ -297,7 +318,7 @@ class ChatKVCache(ChatOpenAI):
     def _stream(
         self, messages: list[BaseMessage], *args: Any, **kwargs: Any
     ) -> Iterator[ChatGenerationChunk]:
-        cut = _StreamedCall()
+        cut = StreamedCall()
         with self._explained():
             for chunk in super()._stream(messages, *args, **kwargs):
                 cut.add(chunk)
@@ -307,7 +328,7 @@ class ChatKVCache(ChatOpenAI):
     async def _astream(
         self, messages: list[BaseMessage], *args: Any, **kwargs: Any
     ) -> AsyncIterator[ChatGenerationChunk]:
-        cut = _StreamedCall()
+        cut = StreamedCall()
         with self._explained():
             async for chunk in super()._astream(messages, *args, **kwargs):
                 cut.add(chunk)
@@ -324,7 +345,7 @@ class ChatKVCache(ChatOpenAI):
         for ``{"title": "At``)."""
         if kwargs.get("tool_choice") in (None, "auto", "none") or not info:
             return
-        if info.get("finish_reason") != "length" or _has_whole_call(result, kwargs):
+        if info.get("finish_reason") != "length" or has_whole_call(result, kwargs):
             return
         limit = kwargs.get("max_tokens", kwargs.get("max_completion_tokens", self.max_tokens))
         raise ToolCallCutError(
@@ -332,7 +353,7 @@ class ChatKVCache(ChatOpenAI):
             f"max_tokens={limit} before its arguments were complete (finish_reason 'length'); "
             "an agent loop would take the partial call for a text answer. Raise max_tokens for "
             "this call (ChatKVCache(max_tokens=...) or .bind(max_tokens=...))",
-            result.merged if isinstance(result, _StreamedCall) else result,
+            result.merged if isinstance(result, StreamedCall) else result,
         )
 
     @contextmanager
@@ -356,61 +377,6 @@ class ChatKVCache(ChatOpenAI):
                 "`python -m server`) or set LGKV_SERVER_URL / base_url to where it runs",
                 request=exc.request,
             ) from exc
-
-
-class _StreamedCall:
-    """What a stream said, kept in O(1) per chunk: its text, its tool calls' pieces by index
-    and the last generation info (merging each chunk into all the previous ones, as
-    ``chunk + chunk`` does, costs quadratic time)."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.info: dict[str, Any] | None = None
-
-    def add(self, chunk: ChatGenerationChunk) -> None:
-        message = chunk.message
-        if isinstance(message.content, str):
-            self.text.append(message.content)
-        for piece in getattr(message, "tool_call_chunks", None) or []:
-            call = self.calls.setdefault(piece.get("index") or 0, {"args": []})
-            for key in ("name", "id"):
-                call[key] = call.get(key) or piece.get(key)
-            call["args"].append(piece.get("args") or "")
-        if chunk.generation_info:
-            self.info = {**(self.info or {}), **chunk.generation_info}
-
-    @property
-    def merged(self) -> AIMessageChunk:
-        """The streamed message as one chunk."""
-        pieces = [
-            {"name": c.get("name"), "args": "".join(c["args"]), "id": c.get("id"), "index": i}
-            for i, c in self.calls.items()
-        ]
-        return AIMessageChunk(content="".join(self.text), tool_call_chunks=pieces)  # type: ignore[arg-type]
-
-
-def _has_whole_call(result: object, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a cut answer holds a whole tool call: any parsed call of a ChatResult (the
-    server's parser returns whole calls only), or a streamed call whose arguments are complete
-    JSON naming every required parameter of its tool (from the request's ``tools``)."""
-    if isinstance(result, ChatResult):
-        return bool(getattr(result.generations[-1].message, "tool_calls", None))
-    if not isinstance(result, _StreamedCall):
-        return False
-    required = {
-        tool["function"]["name"]: set(tool["function"].get("parameters", {}).get("required", []))
-        for tool in kwargs.get("tools") or []
-        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
-    }
-    for call in result.calls.values():
-        try:
-            args = json.loads("".join(call["args"]))
-        except ValueError:
-            continue
-        if isinstance(args, dict) and required.get(call.get("name"), set()) <= args.keys():
-            return True
-    return False
 
 
 def _with_message(exc: openai.APITimeoutError, message: str) -> openai.APITimeoutError:

@@ -381,13 +381,13 @@ def test_a_cut_streamed_call_is_whole_only_with_complete_required_arguments() ->
     (the server-side checks are in tests/integration/agents/test_tool_choice.py)."""
     from langchain_core.outputs import ChatGenerationChunk
 
-    from langgraph_kvcache.chat_model import _has_whole_call, _StreamedCall
+    from langgraph_kvcache.cut_calls import StreamedCall, has_whole_call
 
     schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
 
-    def streamed(*pieces: tuple[int, str]) -> _StreamedCall:
-        out = _StreamedCall()
+    def streamed(*pieces: tuple[int, str]) -> StreamedCall:
+        out = StreamedCall()
         for index, args in pieces:
             chunk = {"name": "lookup", "args": args, "id": f"c{index}", "index": index}
             out.add(
@@ -395,9 +395,9 @@ def test_a_cut_streamed_call_is_whole_only_with_complete_required_arguments() ->
             )
         return out
 
-    assert not _has_whole_call(streamed((0, "{}")), {"tools": tools})  # title missing
-    assert not _has_whole_call(streamed((0, '{"title": "At')), {"tools": tools})
-    assert _has_whole_call(streamed((0, '{"title": "At'), (0, 'om"}')), {"tools": tools})
+    assert not has_whole_call(streamed((0, "{}")), {"tools": tools})  # title missing
+    assert not has_whole_call(streamed((0, '{"title": "At')), {"tools": tools})
+    assert has_whole_call(streamed((0, '{"title": "At'), (0, 'om"}')), {"tools": tools})
     whole_then_cut = streamed((0, '{"title": "Atom"}'), (1, '{"ti'))
-    assert _has_whole_call(whole_then_cut, {"tools": tools})
-    assert not _has_whole_call(_StreamedCall(), {"tools": tools})
+    assert has_whole_call(whole_then_cut, {"tools": tools})
+    assert not has_whole_call(StreamedCall(), {"tools": tools})

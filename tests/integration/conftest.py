@@ -255,9 +255,11 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_ENGINE_ARGS: tuple[str, ...] = (
     *TEST_ENGINE_ARGS,
     "--block-size", "32",
+    "--trust-request-chat-template",
 )  # fmt: skip
 """The test engine settings with 32-token KV blocks: a turn's cached share is then never more
-than 31 tokens short of its whole prefix (128-token blocks would leave up to 127 uncached)."""
+than 31 tokens short of its whole prefix (128-token blocks would leave up to 127 uncached).
+Requests may bring their own chat template (a reasoning model's, in test_reasoning_reuse.py)."""
 
 
 @pytest.fixture(scope="session")
