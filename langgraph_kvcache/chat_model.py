@@ -139,6 +139,11 @@ class ChatKVCache(ChatOpenAI):
             values["api_key"] = os.environ.get("LGKV_API_KEY") or "EMPTY"
         if values.get("session_id") is not None:
             validate_session_id(values["session_id"])
+        if values.get("preserve_reasoning") and values.get("use_responses_api"):
+            raise ValueError(
+                "preserve_reasoning works with Chat Completions only: leave use_responses_api "
+                "off (the server keeps no responses, so reasoning cannot be sent back there)"
+            )
         return values
 
     # -- LangChain metadata -------------------------------------------------------------------
@@ -282,7 +287,8 @@ class ChatKVCache(ChatOpenAI):
         kwargs = self._with_session(None, kwargs)
         payload = super()._get_request_payload(input_, stop=stop, **kwargs)
         if self.preserve_reasoning and "messages" in payload:
-            payload = send_reasoning(payload, self._convert_input(input_).to_messages())
+            defaults = (self.extra_body, self.model_kwargs.get("extra_body"))
+            payload = send_reasoning(payload, self._convert_input(input_).to_messages(), defaults)
         sid = payload.get(SESSION_FIELD)
         if sid is not None:
             payload["extra_headers"] = {**(payload.get("extra_headers") or {}), SESSION_HEADER: sid}

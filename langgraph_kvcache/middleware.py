@@ -31,14 +31,13 @@ Needs the ``langchain`` package (1.x); ``import langgraph_kvcache`` does not imp
 
 from __future__ import annotations
 
-import uuid
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, HumanMessage, RemoveMessage
 from langgraph.constants import TAG_NOSTREAM
-from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.types import Command
 
 from langgraph_kvcache.trim import TokenCounter, count_with, trim_messages_stepped
@@ -51,6 +50,8 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "langgraph_kvcache.middleware needs LangChain 1.x's agents: pip install 'langchain>=1,<2'"
     ) from exc
+
+log = logging.getLogger(__name__)
 
 try:  # a later 1.x addition: how wrap_model_call writes the agent's state
     from langchain.agents.middleware.types import ExtendedModelResponse
@@ -138,11 +139,18 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
     it knows the agent's system prompt and tools: the summary call is the agent's own prompt up
     to the cut (system prompt, tools, the messages to summarise) followed by ``instruction``,
     sent with ``tool_choice="none"`` and the call's model settings (a ``cache_salt`` among them)
-    through the agent's model in the thread's session. It reads the messages the model call
-    would send (``request.messages``): list it after middleware that rewrites them. Its
-    prompt extends the earlier calls' prompts token for token, so the server serves it from the
-    thread's KV. The agent's state then holds the summary and the kept messages, as with the
-    parent, and the same model call goes on with them.
+    through the agent's model in the thread's session. Its prompt extends the earlier calls'
+    prompts token for token, so the server serves it from the thread's KV. The summary then
+    takes the place of the summarised messages in the agent's state (the first one's id; the
+    others are removed by id, so other middleware's changes to the call's messages stay theirs),
+    and the same model call goes on with the summary and the kept messages.
+
+    It reads the model call as its own layer sees it (messages, tools, system prompt, model
+    settings): list it last, after middleware that rewrites any of them. With a
+    ``response_format`` the agent binds tools it cannot rebuild, so it falls back to
+    LangChain's own summary call (computed in full), with a warning. On a turn that
+    summarises, ``stream_mode="updates"`` gives the model node's update as a list (the answer,
+    then the summary's change), as for any middleware that returns a ``Command``.
 
     What the cache serves after a summary (exact reuse): the summary call reads the history up
     to the cut; the first call after it recomputes the summary and the kept messages (their
@@ -151,7 +159,9 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
     Args:
         model: the agent's chat model (token counting and fractional limits, as the parent).
         instruction: the user message that asks for the summary.
-        max_summary_tokens: the summary's token limit (default: the model's own ``max_tokens``).
+        max_summary_tokens: the summary's token limit (512). An empty summary (all of it
+            reasoning, say) leaves the history whole for that call, with a warning; a cut one
+            is kept, with a warning.
         trigger, keep, token_counter: as ``SummarizationMiddleware``. Nothing is trimmed before
             the summary call (``trim_tokens_to_summarize``): its prompt is what the agent's
             last call already held, plus the instruction.
@@ -162,7 +172,7 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         model: str | BaseChatModel,
         *,
         instruction: str = SUMMARY_INSTRUCTION,
-        max_summary_tokens: int | None = None,
+        max_summary_tokens: int = 512,
         **kwargs: Any,
     ) -> None:
         if ExtendedModelResponse is None:  # pragma: no cover - depends on the installed LangChain
@@ -176,22 +186,21 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
                     f"CachedSummarizationMiddleware takes no {name!r}: its summary call is the "
                     "agent's own prompt plus `instruction`"
                 )
-        if max_summary_tokens is not None and max_summary_tokens <= 0:
+        if max_summary_tokens <= 0:
             raise ValueError(f"max_summary_tokens must be > 0, got {max_summary_tokens}")
         super().__init__(model, trim_tokens_to_summarize=None, **kwargs)
         self.instruction = instruction
         self.max_summary_tokens = max_summary_tokens
+        self._warned_fallback = False
 
-    def before_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Nothing here: the summary is written inside the model call (see the class doc)."""
-        return None
+    # the parent summarises in before_model; this one inside the model call only, and adds no
+    # graph node of its own (the agent factory adds one for any overridden before_model)
+    before_model = AgentMiddleware.before_model
+    abefore_model = AgentMiddleware.abefore_model
 
-    async def abefore_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Nothing here: the summary is written inside the model call (see the class doc)."""
-        return None
-
-    def split(self, request: ModelRequest) -> tuple[list[AnyMessage], list[AnyMessage]] | None:
-        """The messages to summarise and those kept, or None when no summary is due."""
+    def plan(self, request: ModelRequest) -> tuple[list[AnyMessage], list[AnyMessage]] | None:
+        """The messages to summarise and those kept, or None when no summary is due (or the
+        messages to summarise are not the agent's state's, so there is nothing to replace)."""
         messages = list(request.messages)
         self._ensure_message_ids(messages)
         if not self._should_summarize(messages, self.token_counter(messages)):
@@ -199,7 +208,11 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         cutoff = self._determine_cutoff_index(messages)
         if cutoff <= 0:
             return None
-        return self._partition_messages(messages, cutoff)
+        to_summarize, kept = self._partition_messages(messages, cutoff)
+        in_state = {m.id for m in (request.state or {}).get("messages", [])}
+        if not any(m.id in in_state for m in to_summarize):
+            return None
+        return to_summarize, kept
 
     def summary_call(self, request: ModelRequest, to_summarize: list[AnyMessage]) -> tuple[
         Any, list[BaseMessage]
@@ -208,56 +221,95 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         settings) and the messages of the summary call: the agent's prompt up to the cut, then
         the instruction."""
         model: Any = request.model
-        settings = dict(request.model_settings)  # the same options: a cache_salt above all
+        settings = {k: v for k, v in request.model_settings.items() if k != "tool_choice"}
         if request.tools:
             model = model.bind_tools(request.tools, tool_choice="none", **settings)
         elif settings:
             model = model.bind(**settings)
-        if self.max_summary_tokens is not None:
-            model = model.bind(max_tokens=self.max_summary_tokens)
+        model = model.bind(max_tokens=self.max_summary_tokens)
         system = [request.system_message] if request.system_message is not None else []
         return model, [*system, *to_summarize, HumanMessage(content=self.instruction)]
 
-    def _history(self, summary: BaseMessage, kept: list[AnyMessage]) -> list[AnyMessage]:
-        """The summary message (the parent's wording) followed by the kept messages."""
-        return [*self._build_new_messages(summary.text.strip()), *kept]
+    def _summary_text(self, request: ModelRequest, answer: BaseMessage) -> str:
+        text = answer.text.strip()
+        if not text:
+            log.warning(
+                "the summary call answered no text (all of it reasoning, or cut at "
+                "max_summary_tokens=%d): the history is kept whole for this call",
+                self.max_summary_tokens,
+            )
+        elif (answer.response_metadata or {}).get("finish_reason") == "length":
+            log.warning("the summary was cut at max_summary_tokens=%d", self.max_summary_tokens)
+        return text
+
+    def _needs_fallback(self, request: ModelRequest) -> bool:
+        """With a ``response_format`` the agent binds tools this middleware cannot rebuild
+        (structured output tools, strict schemas), so its summary call would not extend the
+        agent's prompt: LangChain's own summary call is made instead (not read from cache)."""
+        if request.response_format is None:
+            return False
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(
+                "an agent with a response_format: summaries use LangChain's own summary prompt, "
+                "which the server computes in full (its tools cannot be rebuilt here)"
+            )
+        return True
+
+    def _written(
+        self, request: ModelRequest, text: str, kept: list[AnyMessage], to_summarize: list[Any]
+    ) -> tuple[ModelRequest, Any]:
+        """The request with the summary in place of the summarised messages, and the state
+        update: the summary takes the first summarised message's place (its id), the others
+        are removed by id; every other message of the state stays as it is."""
+        in_state = {m.id for m in (request.state or {}).get("messages", [])}
+        ids = [m.id for m in to_summarize if m.id in in_state]
+        head = self._build_new_messages(text)[0].model_copy(update={"id": ids[0]})
+        update = [head, *(RemoveMessage(id=i) for i in ids[1:])]
+        return request.override(messages=[head, *kept]), Command(update={"messages": update})
 
     @staticmethod
-    def _written(response: Any, messages: list[AnyMessage]) -> Any:
-        """The model call's result with a state update that replaces the history by
-        ``messages`` followed by the call's own messages."""
-        result = response.result if isinstance(response, ModelResponse) else [response]
-        for message in result:
-            if message.id is None:
-                message.id = str(uuid.uuid4())
-        update = [RemoveMessage(id=REMOVE_ALL_MESSAGES), *messages, *result]
+    def _with_command(response: Any, command: Command) -> Any:
         if not isinstance(response, ModelResponse):
-            response = ModelResponse(result=result)
-        return ExtendedModelResponse(
-            model_response=response, command=Command(update={"messages": update})
-        )
+            response = ModelResponse(result=[response])
+        return ExtendedModelResponse(model_response=response, command=command)
 
     def wrap_model_call(
         self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]
     ) -> Any:
         """Summarise first when due (see the class doc), then call the model."""
-        split = self.split(request)
-        if split is None:
+        plan = self.plan(request)
+        if plan is None:
             return handler(request)
-        model, prompt = self.summary_call(request, split[0])
-        messages = self._history(model.invoke(prompt, config=_summary_config()), split[1])
-        return self._written(handler(request.override(messages=messages)), messages)
+        to_summarize, kept = plan
+        if self._needs_fallback(request):
+            text = self._create_summary(to_summarize)
+        else:
+            model, prompt = self.summary_call(request, to_summarize)
+            text = self._summary_text(request, model.invoke(prompt, config=_summary_config()))
+        if not text:
+            return handler(request)
+        summarized, command = self._written(request, text, kept, to_summarize)
+        return self._with_command(handler(summarized), command)
 
     async def awrap_model_call(
         self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
     ) -> Any:
         """Async :meth:`wrap_model_call`."""
-        split = self.split(request)
-        if split is None:
+        plan = self.plan(request)
+        if plan is None:
             return await handler(request)
-        model, prompt = self.summary_call(request, split[0])
-        messages = self._history(await model.ainvoke(prompt, config=_summary_config()), split[1])
-        return self._written(await handler(request.override(messages=messages)), messages)
+        to_summarize, kept = plan
+        if self._needs_fallback(request):
+            text = await self._acreate_summary(to_summarize)
+        else:
+            model, prompt = self.summary_call(request, to_summarize)
+            answer = await model.ainvoke(prompt, config=_summary_config())
+            text = self._summary_text(request, answer)
+        if not text:
+            return await handler(request)
+        summarized, command = self._written(request, text, kept, to_summarize)
+        return self._with_command(await handler(summarized), command)
 
 
 def _summary_config() -> Any:

@@ -50,10 +50,16 @@ def reasoning_of(message: Mapping[str, Any] | None) -> str | None:
     return None
 
 
-def send_reasoning(payload: dict[str, Any], messages: Sequence[BaseMessage]) -> dict[str, Any]:
+def send_reasoning(
+    payload: dict[str, Any],
+    messages: Sequence[BaseMessage],
+    defaults: Sequence[Mapping[str, Any] | None] = (),
+) -> dict[str, Any]:
     """The request body with each AI message's reasoning sent back and the template asked to
-    keep it. ``payload["messages"]`` are ``messages`` converted one for one (LangChain's
-    Chat Completions body)."""
+    keep it, unless the call, or else one of ``defaults`` (the model's own ``extra_body``
+    values, which a call's ``extra_body`` replaces whole), sets ``preserve_thinking``.
+    ``payload["messages"]`` are ``messages`` converted one for one (LangChain's Chat
+    Completions body)."""
     sent = payload.get("messages")
     if isinstance(sent, list) and len(sent) == len(messages):
         for body, message in zip(sent, messages, strict=True):
@@ -62,7 +68,13 @@ def send_reasoning(payload: dict[str, Any], messages: Sequence[BaseMessage]) -> 
                 body["reasoning"] = reasoning
     extra = dict(payload.get("extra_body") or {})
     template_kwargs = dict(extra.get("chat_template_kwargs") or {})
-    template_kwargs.setdefault(TEMPLATE_SWITCH, True)
+    if TEMPLATE_SWITCH not in template_kwargs:
+        chosen = [
+            d["chat_template_kwargs"][TEMPLATE_SWITCH]
+            for d in defaults
+            if d and TEMPLATE_SWITCH in (d.get("chat_template_kwargs") or {})
+        ]
+        template_kwargs[TEMPLATE_SWITCH] = chosen[0] if chosen else True
     payload["extra_body"] = {**extra, "chat_template_kwargs": template_kwargs}
     return payload
 

@@ -3,6 +3,7 @@ the server half is tests/integration/chat/test_reasoning_reuse.py)."""
 
 from __future__ import annotations
 
+import pytest
 from langchain_core.messages import AIMessageChunk
 
 from langgraph_kvcache import ChatKVCache
@@ -55,3 +56,21 @@ def test_streamed_reasoning_pieces_join_into_the_message() -> None:
     assert total is not None
     assert total.message.content == "Rivers bend."
     assert total.message.additional_kwargs["reasoning_content"] == "water erodes"
+
+
+def test_the_callers_choice_of_preserve_thinking_stands() -> None:
+    from langchain_core.messages import HumanMessage
+
+    base = "http://127.0.0.1:9/v1"
+    own = {"chat_template_kwargs": {"preserve_thinking": False}}
+    model = ChatKVCache(base_url=base, preserve_reasoning=True, extra_body=own)
+    for call in ({}, {"extra_body": {"cache_salt": "s"}}):  # a call's extra_body replaces own
+        body = model._get_request_payload([HumanMessage("hi")], **call)
+        assert body["extra_body"]["chat_template_kwargs"] == {"preserve_thinking": False}
+    body = ChatKVCache(base_url=base, preserve_reasoning=True)._get_request_payload(
+        [HumanMessage("hi")], extra_body={"cache_salt": "s"}
+    )
+    assert body["extra_body"] == {"cache_salt": "s",
+                                  "chat_template_kwargs": {"preserve_thinking": True}}  # fmt: skip
+    with pytest.raises(ValueError, match="Chat Completions only"):
+        ChatKVCache(base_url=base, preserve_reasoning=True, use_responses_api=True)

@@ -135,9 +135,11 @@ class Continuations:
         continuations of ``old`` (:func:`branch_blocks`, at most ``limit`` blocks)."""
         if not old:
             return path
-        # ids that name the prompt only: placeholder ids (prompt embeddings, multimodal) never
-        # count as running through an old tail, so every other branch is kept
-        token_ids = prompt_token_ids(request) or ()
+        # a prompt of embeddings has placeholder ids that name nothing: it never runs through an
+        # old tail, so every other branch is kept; a multimodal prompt's placeholders are ids no
+        # text holds, so its ids compare as they are (saved tails are text only)
+        embeds = getattr(request, "prompt_embeds", None) is not None
+        token_ids = () if embeds else (getattr(request, "all_token_ids", None) or ())
         root = parent_of(request, 0)
         return branch_blocks(path, old, token_ids, self.block_size, root, limit)
 

@@ -130,3 +130,5 @@ def test_placeholder_ids_never_run_through_an_old_tail() -> None:
     assert cont.session_blocks(req, ["a"], [old_tail, "x"], 8) == ["a", "x"]
     embeds = SimpleNamespace(**{**vars(req), "prompt_embeds": object()})
     assert cont.session_blocks(embeds, ["a"], [old_tail, "x"], 8) == ["a", old_tail, "x"]
+    image = SimpleNamespace(**{**vars(req), "mm_features": [object()]})  # text then an image
+    assert cont.session_blocks(image, ["a"], [old_tail, "x"], 8) == ["a", "x"]
