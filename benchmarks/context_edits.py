@@ -128,15 +128,14 @@ def middlewares(kind: str, window: int, summarizer: Any) -> list[Any]:
     raise ValueError(kind)
 
 
-class _FirstToken(BaseCallbackHandler):
-    """A callback handler: the time from each chat model start to its first streamed token;
-    the usage and time of each summary call (``lc_source: summarization``)."""
+class SummaryCalls(BaseCallbackHandler):
+    """A callback handler: (cached tokens, prompt tokens, seconds) of each summary call
+    (``lc_source: summarization``, as LangChain and CachedSummarizationMiddleware mark them)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self) -> None:
         self.started: dict[Any, float] = {}
-        self.first: dict[Any, float] = {}
         self.summary_runs: set[Any] = set()
-        self.run = run
+        self.usage: list[tuple[int, int, float]] = []
 
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: Any,
                             metadata: dict[str, Any] | None = None, **kw: Any) -> None:  # fmt: skip
@@ -149,7 +148,16 @@ class _FirstToken(BaseCallbackHandler):
             usage = response.generations[0][0].message.usage_metadata or {}
             cached = (usage.get("input_token_details") or {}).get("cache_read", 0) or 0
             seconds = time.perf_counter() - self.started[run_id]
-            self.run.summaries.append((int(cached), int(usage.get("input_tokens", 0)), seconds))
+            self.usage.append((int(cached), int(usage.get("input_tokens", 0)), seconds))
+
+
+class _FirstToken(SummaryCalls):
+    """Also the time from each chat model start to its first streamed token."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.first: dict[Any, float] = {}
+        self.usage = run.summaries
 
     def on_llm_new_token(self, token: str, *, run_id: Any, **kw: Any) -> None:
         if run_id in self.started and run_id not in self.first:

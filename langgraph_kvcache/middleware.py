@@ -198,9 +198,12 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
     before_model = AgentMiddleware.before_model
     abefore_model = AgentMiddleware.abefore_model
 
-    def plan(self, request: ModelRequest) -> tuple[list[AnyMessage], list[AnyMessage]] | None:
-        """The messages to summarise and those kept, or None when no summary is due (or the
-        messages to summarise are not the agent's state's, so there is nothing to replace)."""
+    def plan(
+        self, request: ModelRequest
+    ) -> tuple[list[AnyMessage], list[AnyMessage], list[str]] | None:
+        """The messages to summarise, those kept and the state ids of the first, or None when
+        no summary is due (or the messages to summarise are not the agent's state's, so there
+        is nothing to replace)."""
         messages = list(request.messages)
         self._ensure_message_ids(messages)
         if not self._should_summarize(messages, self.token_counter(messages)):
@@ -210,9 +213,8 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
             return None
         to_summarize, kept = self._partition_messages(messages, cutoff)
         in_state = {m.id for m in (request.state or {}).get("messages", [])}
-        if not any(m.id in in_state for m in to_summarize):
-            return None
-        return to_summarize, kept
+        ids = [m.id for m in to_summarize if m.id in in_state]
+        return (to_summarize, kept, ids) if ids else None
 
     def summary_call(self, request: ModelRequest, to_summarize: list[AnyMessage]) -> tuple[
         Any, list[BaseMessage]
@@ -230,7 +232,7 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         system = [request.system_message] if request.system_message is not None else []
         return model, [*system, *to_summarize, HumanMessage(content=self.instruction)]
 
-    def _summary_text(self, request: ModelRequest, answer: BaseMessage) -> str:
+    def _summary_text(self, answer: BaseMessage) -> str:
         text = answer.text.strip()
         if not text:
             log.warning(
@@ -257,13 +259,11 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         return True
 
     def _written(
-        self, request: ModelRequest, text: str, kept: list[AnyMessage], to_summarize: list[Any]
+        self, request: ModelRequest, text: str, kept: list[AnyMessage], ids: list[str]
     ) -> tuple[ModelRequest, Any]:
         """The request with the summary in place of the summarised messages, and the state
         update: the summary takes the first summarised message's place (its id), the others
         are removed by id; every other message of the state stays as it is."""
-        in_state = {m.id for m in (request.state or {}).get("messages", [])}
-        ids = [m.id for m in to_summarize if m.id in in_state]
         head = self._build_new_messages(text)[0].model_copy(update={"id": ids[0]})
         update = [head, *(RemoveMessage(id=i) for i in ids[1:])]
         return request.override(messages=[head, *kept]), Command(update={"messages": update})
@@ -281,15 +281,15 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         plan = self.plan(request)
         if plan is None:
             return handler(request)
-        to_summarize, kept = plan
+        to_summarize, kept, ids = plan
         if self._needs_fallback(request):
             text = self._create_summary(to_summarize)
         else:
             model, prompt = self.summary_call(request, to_summarize)
-            text = self._summary_text(request, model.invoke(prompt, config=_summary_config()))
+            text = self._summary_text(model.invoke(prompt, config=_summary_config()))
         if not text:
             return handler(request)
-        summarized, command = self._written(request, text, kept, to_summarize)
+        summarized, command = self._written(request, text, kept, ids)
         return self._with_command(handler(summarized), command)
 
     async def awrap_model_call(
@@ -299,16 +299,16 @@ class CachedSummarizationMiddleware(SummarizationMiddleware):  # type: ignore[ty
         plan = self.plan(request)
         if plan is None:
             return await handler(request)
-        to_summarize, kept = plan
+        to_summarize, kept, ids = plan
         if self._needs_fallback(request):
             text = await self._acreate_summary(to_summarize)
         else:
             model, prompt = self.summary_call(request, to_summarize)
             answer = await model.ainvoke(prompt, config=_summary_config())
-            text = self._summary_text(request, answer)
+            text = self._summary_text(answer)
         if not text:
             return await handler(request)
-        summarized, command = self._written(request, text, kept, to_summarize)
+        summarized, command = self._written(request, text, kept, ids)
         return self._with_command(await handler(summarized), command)
 
 

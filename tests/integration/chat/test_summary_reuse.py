@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, SummarizationMiddleware
-from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
+from benchmarks.context_edits import SummaryCalls
 from langgraph_kvcache import ChatKVCache
 from langgraph_kvcache.middleware import CachedSummarizationMiddleware
 
@@ -49,25 +49,6 @@ class AnswerInText(AgentMiddleware):  # type: ignore[type-arg]
         return await handler(request.override(tool_choice="none"))
 
 
-class SummaryCalls(BaseCallbackHandler):
-    """(cached tokens, prompt tokens) of each summary call (``lc_source: summarization``)."""
-
-    def __init__(self) -> None:
-        self.runs: set[Any] = set()
-        self.usage: list[tuple[int, int]] = []
-
-    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: Any,
-                            metadata: dict[str, Any] | None = None, **kw: Any) -> None:  # fmt: skip
-        if (metadata or {}).get("lc_source") == "summarization":
-            self.runs.add(run_id)
-
-    def on_llm_end(self, response: Any, *, run_id: Any, **kw: Any) -> None:
-        if run_id in self.runs:
-            usage = response.generations[0][0].message.usage_metadata or {}
-            cached = (usage.get("input_token_details") or {}).get("cache_read", 0) or 0
-            self.usage.append((int(cached), int(usage.get("input_tokens", 0))))
-
-
 def _run(model: ChatKVCache, middleware: Any, thread: str, topics: list[str],
          asynchronous: bool) -> tuple[
     list[tuple[int, int]], list[Any]
@@ -90,7 +71,7 @@ def _run(model: ChatKVCache, middleware: Any, thread: str, topics: list[str],
     else:
         for ask in asks:
             state = agent.invoke(ask, cfg)
-    return calls.usage, state["messages"]
+    return [(c, p) for c, p, _ in calls.usage], state["messages"]
 
 
 def test_the_summary_call_reads_the_conversation_from_the_cache(kv_server_url: str) -> None:
