@@ -3,8 +3,8 @@
 Fixtures (session-scoped: one server per test session, shared by every folder below):
 
 * ``lgkv_server`` -> :class:`ServerProcess`: the tiny random Llama behind the full server with
-  the session KV connector, its own cache folder, vLLM's engine core in a child process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``). ``.base_url``, ``.model`` (the served name),
+  the session KV connector, its own cache folder, vLLM's engine core in a child process that
+  also runs the model (:data:`ONE_ENGINE_PROCESS`). ``.base_url``, ``.model`` (the served name),
   ``.cache_dir``, ``.restart()`` (same port and cache folder: sessions must survive it),
   ``.log_tail()``.
 * ``server_url`` -> ``str``: ``lgkv_server.base_url``.
@@ -37,6 +37,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_NAME = "tiny-llama"
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
+
+ONE_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""The test servers' default process layout: the API server and one engine process that runs
+the scheduler and the model (vLLM's ``uni`` executor). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
+(what ``python -m server`` users run) vLLM's CPU platform turns ``uni`` into its ``mp``
+executor, a third process that imports vLLM again: 9 s more per start and 1.5 s more per stop
+on the 2-core machine, for the same engine. The connector's metadata then crosses a process
+boundary (pickled): :func:`smollm2_server` keeps that layout (:data:`USERS_PROCESSES`), as do
+the tensor-parallel test and the notebooks."""
+USERS_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+"""The layout ``python -m server`` runs by default: API server, engine core, model worker."""
 
 # Small, fast engine settings for the 2-core test machine.
 TEST_ENGINE_ARGS: tuple[str, ...] = (
@@ -102,7 +113,7 @@ class ServerProcess:
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start the process and wait until ``/health`` answers 200."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **self.env}
+        env = {**os.environ, **ONE_ENGINE_PROCESS, **self.env}
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start {' '.join(self.command())}\n".encode())
             self.proc = subprocess.Popen(
@@ -271,5 +282,8 @@ def smollm2_server(_shared_servers: ServerStarter, smollm2_dir: Path) -> ServerP
     threads' contexts, so interleaved threads hit from the RAM tier, not vLLM's own cache.
     """
     return _shared_servers(
-        model_dir=smollm2_dir, model=SMOLLM2_NAME, engine_args=SMOLLM2_ENGINE_ARGS
+        model_dir=smollm2_dir,
+        model=SMOLLM2_NAME,
+        engine_args=SMOLLM2_ENGINE_ARGS,
+        env=USERS_PROCESSES,
     )

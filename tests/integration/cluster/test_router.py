@@ -46,12 +46,6 @@ BLOCK = 128  # the test engines' KV block (vLLM's CPU default)
 NAMES = ("replica-a", "replica-b")
 
 
-def _registry_in_redis() -> bool:
-    """Whether the session registry follows ``--kv-redis-url`` (issue 11's shared registry)."""
-    kv = Path(__file__).resolve().parents[3] / "server" / "kv"
-    return any("redis" in p.name for p in kv.glob("registry*.py"))
-
-
 @pytest.fixture(scope="module")
 def replicas(start_server: Any, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """The two replicas; the suite's cache-off server starts meanwhile (if not up already)."""
@@ -194,12 +188,6 @@ def test_requests_in_flight_at_the_kill_are_retried_and_no_answer_is_wrong(
     assert wrong == []
 
 
-@pytest.mark.xfail(
-    not _registry_in_redis(),
-    reason="needs the session registry in Redis (issue 11, another change): until then a "
-    "replica knows only the sessions it served itself",
-    strict=False,
-)
 def test_session_api_through_the_router_for_a_session_the_dead_replica_made(
     scenario: dict[str, Any], router: Any, replicas: dict[str, Any]
 ) -> None:
@@ -218,7 +206,8 @@ def test_session_api_through_the_router_for_a_session_the_dead_replica_made(
         for client in (kv, direct):
             with pytest.raises(SessionNotFoundError):
                 client.get_session(api)
-    # no replica serves its blocks any more: the same prompt on replica-b recomputes them
+    # no replica serves its blocks any more: the same prompt on replica-b recomputes them (a
+    # few tokens may still come from another session's saved tail: never a whole block)
     r = _chat(router.url, scenario["model"], None, text, api)
     assert r.headers[REPLICA_HEADER] == "replica-b"
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK

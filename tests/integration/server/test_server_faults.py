@@ -21,6 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import faults
 
+from tests.integration.conftest import USERS_PROCESSES
+
 if TYPE_CHECKING:
     from tests.integration.conftest import ServerFactory, ServerProcess
 
@@ -35,7 +37,8 @@ def server(
 ) -> ServerProcess:
     model = tmp_path_factory.mktemp("model") / "tiny"
     shutil.copytree(server_model_dir, model)  # the weights test rewrites it
-    return start_server(model_dir=model)
+    # the crash tests kill the processes users run, shared-memory queues included
+    return start_server(model_dir=model, env=USERS_PROCESSES)
 
 
 def test_engine_process_logs_in_vllm_format(server: ServerProcess) -> None:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
+from tests.integration.conftest import USERS_PROCESSES
+
 if TYPE_CHECKING:
     from tests.integration.conftest import ServerFactory
 
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.vllm
 def test_engine_death_stops_the_server_then_sigterm_path_is_clean(
     start_server: ServerFactory,
 ) -> None:
-    server = start_server("--no-kv-offload")
+    server = start_server("--no-kv-offload", env=USERS_PROCESSES)  # the processes users run
     assert server.proc is not None
     api = psutil.Process(server.proc.pid)
     engines = [p for p in api.children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
