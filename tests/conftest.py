@@ -22,6 +22,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+ENGINE_THREADS = str(
+    max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+)
+"""OpenMP threads of the forward pass in each test server and notebook server: this process's
+cores shared by the pytest-xdist workers (2 in a serial run on the 2-core machine). Their engine
+process runs the scheduler and the model in turn (``tests/integration/conftest.py``
+``ONE_ENGINE_PROCESS``), so the cores are otherwise idle: the ReAct loop test took 137 s with
+one thread and 99 s with two. In-process engines and the servers in the users' three-process
+layout (an engine core that polls beside the model's process) keep ``OMP_NUM_THREADS=1``."""
+
 
 # ---------------------------------------------------------------------------- xdist groups
 # ``TEST_WORKERS=2 make test`` runs two pytest-xdist workers with ``--dist loadgroup``: each

@@ -18,6 +18,8 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from tests.conftest import ENGINE_THREADS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO_ROOT / "examples").glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
@@ -41,7 +43,9 @@ def test_the_five_notebooks_are_found() -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path) -> None:
+def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernel and the server it starts inherit this: the forward pass gets this worker's cores
+    monkeypatch.setenv("OMP_NUM_THREADS", ENGINE_THREADS)
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
         f"{path.name} is committed with outputs; clear them (Jupyter: Clear All Outputs)"

@@ -33,19 +33,23 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import ENGINE_THREADS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_NAME = "tiny-llama"
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
 
-ONE_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ONE_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": ENGINE_THREADS}
 """The test servers' default process layout: the API server and one engine process that runs
-the scheduler and the model (vLLM's ``uni`` executor). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
-(what ``python -m server`` users run) vLLM's CPU platform turns ``uni`` into its ``mp``
-executor, a third process that imports vLLM again: 9 s more per start and 1.5 s more per stop
-on the 2-core machine, for the same engine. The connector's metadata then crosses a process
-boundary (pickled): :func:`smollm2_server` keeps that layout (:data:`USERS_PROCESSES`), as do
-the tensor-parallel test and the notebooks."""
+the scheduler and the model (vLLM's ``uni`` executor), with the cores of this pytest worker
+(:data:`tests.conftest.ENGINE_THREADS`). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (what
+``python -m server`` users run) vLLM's CPU platform turns ``uni`` into its ``mp`` executor, a
+third process that imports vLLM again: 9 s more per start and 1.5 s more per stop on the 2-core
+machine, for the same engine. The connector's metadata then crosses a process boundary
+(pickled): the crash tests of ``test_server_faults.py``, the engine-death test, the
+tensor-parallel test and the cross-process prefetch test keep that layout
+(:data:`USERS_PROCESSES`)."""
 USERS_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 """The layout ``python -m server`` runs by default: API server, engine core, model worker."""
 
@@ -285,5 +289,4 @@ def smollm2_server(_shared_servers: ServerStarter, smollm2_dir: Path) -> ServerP
         model_dir=smollm2_dir,
         model=SMOLLM2_NAME,
         engine_args=SMOLLM2_ENGINE_ARGS,
-        env=USERS_PROCESSES,
     )
