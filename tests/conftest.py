@@ -29,8 +29,9 @@ ENGINE_THREADS = str(
 cores shared by the pytest-xdist workers (2 in a serial run on the 2-core machine). Their engine
 process runs the scheduler and the model in turn (``tests/integration/conftest.py``
 ``ONE_ENGINE_PROCESS``), so the cores are otherwise idle: the ReAct loop test took 137 s with
-one thread and 99 s with two. In-process engines and the servers in the users' three-process
-layout (an engine core that polls beside the model's process) keep ``OMP_NUM_THREADS=1``."""
+one thread and 99 s with two. The servers in the users' three-process layout get the same
+threads (their engine core polls beside the model's process); the in-process engines and engine
+scripts keep ``OMP_NUM_THREADS=1``."""
 
 
 # ---------------------------------------------------------------------------- xdist groups

@@ -47,9 +47,9 @@ the scheduler and the model (vLLM's ``uni`` executor), with the cores of this py
 ``python -m server`` users run) vLLM's CPU platform turns ``uni`` into its ``mp`` executor, a
 third process that imports vLLM again: 9 s more per start and 1.5 s more per stop on the 2-core
 machine, for the same engine. The connector's metadata then crosses a process boundary
-(pickled): the crash tests of ``test_server_faults.py``, the engine-death test, the
-tensor-parallel test and the cross-process prefetch test keep that layout
-(:data:`USERS_PROCESSES`)."""
+(pickled): the crash tests of ``test_server_faults.py`` and the engine-death test start their
+servers with :data:`USERS_PROCESSES` (with the same threads); the tensor-parallel and the
+cross-process prefetch tests run that layout in engines of their own."""
 USERS_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 """The layout ``python -m server`` runs by default: API server, engine core, model worker."""
 
@@ -286,7 +286,5 @@ def smollm2_server(_shared_servers: ServerStarter, smollm2_dir: Path) -> ServerP
     threads' contexts, so interleaved threads hit from the RAM tier, not vLLM's own cache.
     """
     return _shared_servers(
-        model_dir=smollm2_dir,
-        model=SMOLLM2_NAME,
-        engine_args=SMOLLM2_ENGINE_ARGS,
+        model_dir=smollm2_dir, model=SMOLLM2_NAME, engine_args=SMOLLM2_ENGINE_ARGS
     )
