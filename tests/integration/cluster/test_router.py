@@ -57,7 +57,16 @@ def replicas(start_server: Any, request: pytest.FixtureRequest) -> Iterator[dict
         pytest.skip(f"no Redis at {REDIS_URL}")
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = [
-            pool.submit(start_server, "--kv-redis-url", REDIS_URL, "--replica-id", n) for n in NAMES
+            # both replicas compute at once: one OpenMP thread each shares the cores between them
+            pool.submit(
+                start_server,
+                "--kv-redis-url",
+                REDIS_URL,
+                "--replica-id",
+                n,
+                env={"OMP_NUM_THREADS": "1"},
+            )
+            for n in NAMES
         ]
         request.getfixturevalue("plain_server")
         started = [f.result() for f in futures]
