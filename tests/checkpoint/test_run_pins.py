@@ -177,6 +177,50 @@ def test_an_error_releases_and_a_failed_pin_is_asked_again(sqlite_url: str) -> N
     assert released == PinCall(("e", "sub"), "e|sub", None)
 
 
+def test_the_failed_steps_checkpoint_stored_after_the_error_asks_for_no_pin(
+    sqlite_url: str,
+) -> None:
+    """LangGraph stores a step's checkpoint and a task's writes on different background
+    threads, so the ``ERROR`` write of a failing node may be stored before the checkpoint it
+    is written against (seen in the suite: the run's session stayed pinned for the run lease
+    after the error). That late checkpoint asks for nothing; a retried run pins again."""
+    saver = Recording(sqlite_url)
+    saver.setup()
+    fail = {"on": True}
+
+    def flaky(state: Counter) -> dict[str, Any]:
+        if fail["on"]:
+            raise RuntimeError("the tool failed")
+        return {"n": [2]}
+
+    g = StateGraph(Counter)
+    g.add_node("model", _add(1))
+    g.add_node("tools", flaky)
+    g.add_edge(START, "model")
+    g.add_edge("model", "tools")
+    g.add_edge("tools", END)
+    graph = g.compile(checkpointer=saver)
+    thread = {"configurable": {"thread_id": "f"}}
+    with pytest.raises(RuntimeError):
+        graph.invoke({"n": []}, thread)
+    *earlier, (failing_config, failing_step) = saver.stored
+    assert has_pending_tasks(failing_step)  # ``tools`` is still to run
+    pins = RunPins(run_pin_s=300, interrupt_pin_s=3600)
+    calls = [pins.on_checkpoint(c, cp) for c, cp in earlier]
+    assert [c.lease_s for c in calls if c is not None] == [300]
+    released = pins.on_writes(failing_config, [("__error__", RuntimeError("the tool failed"))])
+    assert released is not None and released.lease_s is None
+    assert pins.on_checkpoint(failing_config, failing_step) is None  # stored late: no pin
+    fail["on"] = False
+    seen = len(saver.stored)
+    graph.invoke(None, thread)  # the retry runs ``tools`` and ends
+    assert _calls(pins, saver, seen) == []  # it ends at its first checkpoint; nothing held
+    seen = len(saver.stored)
+    graph.invoke({"n": []}, thread)  # a new run pins and releases as usual
+    assert [c.lease_s for c in _calls(pins, saver, seen)] == [300, None]
+    saver.engine.dispose()
+
+
 def test_options_validate_leases() -> None:
     assert KVSessionOptions("http://x").interrupt_lease_s == 3600
     assert KVSessionOptions("http://x", ttl_seconds=120).interrupt_lease_s == 120

@@ -10,7 +10,9 @@ given to store:
 - a checkpoint with pending tasks (the run goes on): pinned for ``run_pin_s``, renewed by a
   later checkpoint once less than half of it is left (so most checkpoints cost no call);
 - a checkpoint without pending tasks (the run is over): unpinned;
-- a task's ``ERROR`` write (the run fails): unpinned;
+- a task's ``ERROR`` write (the run fails): unpinned; LangGraph stores writes and checkpoints
+  on different background threads, so the failing step's own checkpoint may be stored after
+  the error: a checkpoint no newer than the one the error was written against asks for nothing;
 - a task's ``INTERRUPT`` write (``interrupt()``; the run stops until resumed): pinned for the
   interrupt lease (``interrupt_pin_s``, by default the thread TTL), which the resumed run's
   checkpoints leave alone while it is the longer.
@@ -123,12 +125,16 @@ class RunPins:
         self.interrupt_pin_s = interrupt_pin_s
         self._until: dict[tuple[str, str], float] = {}
         """Key -> when (``time.monotonic``) the lease asked for runs out."""
+        self._failed_at: dict[tuple[str, str], str] = {}
+        """Key -> the id of the checkpoint its last run failed at (an ``ERROR`` write)."""
         self._lock = threading.Lock()
 
     def on_checkpoint(self, config: Mapping[str, Any], checkpoint: Checkpoint) -> PinCall | None:
         """The call a stored checkpoint needs: a (renewed) run lease while tasks are pending,
         an unpin once none are."""
         key = _key(config)
+        if self._stale(key, checkpoint.get("id")):
+            return None
         if has_pending_tasks(checkpoint):
             return self._want(key, self.run_pin_s)
         return self._release(key)
@@ -142,7 +148,14 @@ class RunPins:
         if INTERRUPT in channels:
             return self._want(_key(config), self.interrupt_pin_s)
         if ERROR in channels:
-            return self._release(_key(config))
+            key = _key(config)
+            failed_at = config["configurable"].get("checkpoint_id")
+            if isinstance(failed_at, str):
+                with self._lock:
+                    if len(self._failed_at) >= _MAX_TRACKED:
+                        self._failed_at.clear()
+                    self._failed_at[key] = failed_at
+            return self._release(key)
         return None
 
     def on_read(self, config: Mapping[str, Any], pending_writes: Iterable[Sequence[Any]]) -> None:
@@ -168,6 +181,20 @@ class RunPins:
         gone = set(thread_ids)
         with self._lock:
             self._until = {k: t for k, t in self._until.items() if k[0] not in gone}
+            self._failed_at = {k: c for k, c in self._failed_at.items() if k[0] not in gone}
+
+    def _stale(self, key: tuple[str, str], checkpoint_id: Any) -> bool:
+        """Whether a checkpoint belongs to a run that already failed: its id (LangGraph's ids
+        sort in the order they were made) is not newer than the failing one. A newer one (the
+        run retried) forgets the failure."""
+        with self._lock:
+            failed_at = self._failed_at.get(key)
+            if failed_at is None or not isinstance(checkpoint_id, str):
+                return False
+            if checkpoint_id <= failed_at:
+                return True
+            del self._failed_at[key]
+            return False
 
     def _want(self, key: tuple[str, str], lease_s: float) -> PinCall | None:
         """Pin for ``lease_s`` unless the lease held lasts at least half of that still."""
