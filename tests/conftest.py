@@ -18,20 +18,22 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ENGINE_THREADS = str(
     max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 )
-"""OpenMP threads of the forward pass in each test server and notebook server: this process's
-cores shared by the pytest-xdist workers (2 in a serial run on the 2-core machine). Their engine
-process runs the scheduler and the model in turn (``tests/integration/conftest.py``
-``ONE_ENGINE_PROCESS``), so the cores are otherwise idle: the ReAct loop test took 137 s with
-one thread and 99 s with two. The servers in the users' three-process layout get the same
-threads (their engine core polls beside the model's process); the in-process engines and engine
-scripts keep ``OMP_NUM_THREADS=1``."""
+"""OpenMP threads of the forward pass in every engine the suite runs: this process's cores
+shared by the pytest-xdist workers (2 in a serial run on the 2-core machine). The test servers'
+engine process runs the scheduler and the model in turn (``tests/integration/conftest.py``
+``ONE_ENGINE_PROCESS``), and the in-process engines and engine scripts compute while pytest
+waits, so the cores are otherwise idle: the ReAct loop test took 137 s with one thread and 99 s
+with two, the SmolLM2 second-turn engine test 68 s and 38 s. The servers in the users'
+three-process layout get the same threads (their engine core polls beside the model's
+process); the tests that run two engines at once (two router replicas, two tensor-parallel
+ranks) give each one thread."""
+os.environ.setdefault("OMP_NUM_THREADS", ENGINE_THREADS)
 
 
 # ---------------------------------------------------------------------------- xdist groups
