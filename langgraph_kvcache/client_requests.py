@@ -68,3 +68,9 @@ def pin_body(ttl_seconds: float | None) -> dict[str, Any] | None:
 def copy_body(target_id: str, overwrite: bool) -> dict[str, Any]:
     """``POST /v1/sessions/{id}/copy``."""
     return {"target_id": validate_session_id(target_id), "overwrite": overwrite}
+
+
+def list_path(limit: int, offset: int, after: str | None) -> str:
+    """The listing's path and query."""
+    path = f"/v1/sessions?limit={int(limit)}&offset={int(offset)}"
+    return path + f"&after={quote(after, safe='')}" if after else path
