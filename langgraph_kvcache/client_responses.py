@@ -11,15 +11,8 @@ from typing import Any
 
 import httpx
 
+from langgraph_kvcache import errors
 from langgraph_kvcache.contract import PrefetchResult, Session
-from langgraph_kvcache.errors import (
-    AuthenticationError,
-    KVCacheClientError,
-    ServerUnavailableError,
-    SessionAPIError,
-    SessionExistsError,
-    SessionNotFoundError,
-)
 
 __all__ = [
     "error_from",
@@ -33,8 +26,8 @@ __all__ = [
 ]
 
 
-def malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:
-    return SessionAPIError(
+def malformed(what: str, data: Any, exc: Exception) -> errors.SessionAPIError:
+    return errors.SessionAPIError(
         f"Malformed {what} in the server's answer ({exc!r}): {str(data)[:200]}. "
         "Is the URL pointing at a langgraph-kvcache server of a matching version?",
         status_code=200,
@@ -42,7 +35,7 @@ def malformed(what: str, data: Any, exc: Exception) -> SessionAPIError:
     )
 
 
-def error_from(response: httpx.Response) -> KVCacheClientError:
+def error_from(response: httpx.Response) -> errors.KVCacheClientError:
     status = response.status_code
     message, error_type = response.text[:500] or response.reason_phrase, ""
     try:
@@ -58,7 +51,7 @@ def error_from(response: httpx.Response) -> KVCacheClientError:
             message = str(payload["detail"])
     if status in (502, 503, 504):
         hint = "" if error_type else " (starting, overloaded or behind a failing proxy: retry)"
-        return ServerUnavailableError(
+        return errors.ServerUnavailableError(
             f"{response.request.url} answered HTTP {status}: {message}{hint}"
         )
     if status == 401:
@@ -67,24 +60,25 @@ def error_from(response: httpx.Response) -> KVCacheClientError:
             "runs with --api-key: pass one of its keys (kv_api_key= to the saver, api_key= "
             "to the client, or set LGKV_API_KEY)"
         )
-        return AuthenticationError(message, status_code=status, error_type=error_type)
-    cls = {404: SessionNotFoundError, 409: SessionExistsError}.get(status, SessionAPIError)
+        return errors.AuthenticationError(message, status_code=status, error_type=error_type)
+    by_status = {404: errors.SessionNotFoundError, 409: errors.SessionExistsError}
+    cls = by_status.get(status, errors.SessionAPIError)
     return cls(message, status_code=status, error_type=error_type)
 
 
-def unavailable(url: str, exc: httpx.HTTPError) -> ServerUnavailableError:
+def unavailable(url: str, exc: httpx.HTTPError) -> errors.ServerUnavailableError:
     """What happened, and where: a timeout (the server may be busy, and the call may have
     taken effect) is not a refused connection (nothing listens there)."""
     if isinstance(exc, httpx.TimeoutException):
         timeout = exc.request.extensions.get("timeout", {}) if _has_request(exc) else {}
         limit = max((v for v in timeout.values() if v), default=None)
         within = f" within {limit:g} s" if limit else ""
-        return ServerUnavailableError(
+        return errors.ServerUnavailableError(
             f"The langgraph-kvcache server at {url} did not answer{within} "
             f"({type(exc).__name__}); it may be busy, and the call may have taken effect. "
             "Retry, or raise the client's timeout."
         )
-    return ServerUnavailableError(
+    return errors.ServerUnavailableError(
         f"Cannot reach the langgraph-kvcache server at {url} ({type(exc).__name__}: {exc}). "
         "Start it (`python -m server`) or set LGKV_SERVER_URL to where it runs."
     )
