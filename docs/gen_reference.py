@@ -113,7 +113,7 @@ def _schema_name(schema: dict) -> str:
 
 
 def session_api_page() -> str:
-    from server.api.chat import SERVER_OWNED_FIELDS, SERVER_OWNED_XARGS
+    from server.api.generation_body import SERVER_OWNED_FIELDS, SERVER_OWNED_XARGS
     from server.app import create_app
     from server.config import ServerConfig
 

@@ -15,7 +15,7 @@ every request, in this order and before any route runs:
    with several keys, each key's generations fill at most its share of vLLM's batch
    (:mod:`server.api.fair_share`);
 3. the JSON body of the generation routes (:data:`server.api.routes.GENERATION_PATHS`) is
-   rewritten by :func:`rewrite_body`, so vLLM's serving code receives
+   rewritten by :func:`server.api.generation_body.rewrite_body`, so vLLM's serving code receives
    ``vllm_xargs = {..., "session_id": sid, "tenant": tenant}`` (copied by vLLM into
    ``SamplingParams.extra_args``, where the connector reads them) and, with keys, a
    ``cache_salt`` that starts with the tenant's own salt.
@@ -32,17 +32,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from langgraph_kvcache.contract import REPLICA_HEADER, XARG_OP, XARG_SESSION, XARG_TENANT
+from langgraph_kvcache.contract import REPLICA_HEADER, XARG_SESSION
 from server.api.auth import KeyRing, is_preflight
 from server.api.body_budget import BodyBudget
+from server.api.generation_body import RESPONSES_PATH, check_responses_body, rewrite_body
 from server.api.json_body import nesting_depth
-from server.api.protocol import APIError, check_session_id, error_response
+from server.api.protocol import APIError, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
 from server.kv.registry.api import RegistryUnavailable
 from server.kv.registry.quotas import QuotaExceeded
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SALT_PREFIX = "lgkv-"
 MAX_JSON_DEPTH = 100
 """Deepest nesting of arrays/objects accepted in a JSON body (deeper: HTTP 400)."""
 INLINE_BODY_BYTES = 64 << 10
@@ -70,84 +70,10 @@ per second per connection, not hundreds (benchmarks/tenants.py, phase (a): 4,080
 one phase). Holding costs the event loop nothing."""
 MAX_HELD_REFUSALS = 64
 """At most this many refusals are held at once; further ones are answered at once."""
-RESPONSES_PATH = "/v1/responses"
-SERVER_OWNED_FIELDS = ("kv_transfer_params",)
-"""Body fields only the server sets; a request that sends one gets 400."""
-SERVER_OWNED_XARGS = (XARG_OP, "kv_transfer_params")
-"""``vllm_xargs`` keys only the server sets (vLLM copies ``vllm_xargs`` into
-``SamplingParams.extra_args``, where the connector reads its control ops and vLLM its transfer
-parameters); a request that sends one gets 400."""
 UNAUTHORIZED = (
     "missing or wrong API key: send the header 'Authorization: Bearer <key>' with a key the "
     "server was started with (--api-key / LGKV_API_KEY)"
 )
-
-
-def check_responses_body(body: dict[str, Any]) -> None:
-    """400 for what this server does not keep for the Responses API: stored responses
-    (``previous_response_id``; ``background``, which needs one). vLLM's store is one process's
-    memory shared by every tenant; resend the conversation instead: its KV is cached, so
-    resending costs little."""
-    for field in ("previous_response_id", "background"):
-        if body.get(field):
-            raise APIError(
-                400,
-                f"{field} is not supported by this server (no stored responses): send the "
-                "whole conversation as input with a prompt_cache_key; its KV is cached, so "
-                "the history costs little",
-            )
-
-
-def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str, Any]:
-    """Move the session named by ``prompt_cache_key``/``session_id``/``vllm_xargs.session_id``
-    into ``vllm_xargs`` with the tenant, and salt the KV of keyed tenants.
-
-    The tenant always comes from the caller's key (``vllm_xargs.tenant`` in the body is
-    replaced). With ``salted`` the ``cache_salt`` is ``lgkv-<tenant>``, followed by
-    ``|<client salt>`` when the body sends one: a client may partition its own KV further,
-    never reach another tenant's.
-
-    Raises:
-        APIError: 400 when the names disagree, a session id is malformed, ``vllm_xargs`` is
-            not an object, ``cache_salt`` is not a string, or the body sets a field only the
-            server sets (``kv_transfer_params``, and in ``vllm_xargs`` also ``lgkv_op``).
-    """
-    out = dict(body)
-    for owned in SERVER_OWNED_FIELDS:
-        if out.get(owned) is not None:
-            raise APIError(400, f"{owned} is set by the server; remove it from the request")
-    xargs = out.get("vllm_xargs")
-    if xargs is None:
-        xargs = {}
-    elif not isinstance(xargs, dict):
-        raise APIError(400, "vllm_xargs must be a JSON object")
-    xargs = dict(xargs)
-    for owned in SERVER_OWNED_XARGS:
-        if owned in xargs:
-            raise APIError(400, f"vllm_xargs.{owned} is set by the server; remove it")
-    named: dict[str, object] = {}
-    for field in ("prompt_cache_key", "session_id"):
-        value = out.pop(field, None)
-        if value is not None:
-            named[field] = value
-    if xargs.get(XARG_SESSION) is not None:
-        named[f"vllm_xargs.{XARG_SESSION}"] = xargs[XARG_SESSION]
-    for field, value in named.items():
-        check_session_id(value, field=field)
-    if len(set(named.values())) > 1:
-        listed = ", ".join(f"{k}={v!r}" for k, v in named.items())
-        raise APIError(400, f"the request names two different sessions ({listed}); send one")
-    if named:
-        xargs[XARG_SESSION] = next(iter(named.values()))
-    xargs[XARG_TENANT] = tenant
-    out["vllm_xargs"] = xargs
-    if salted:
-        client_salt = out.pop("cache_salt", None)
-        if client_salt is not None and not isinstance(client_salt, str):
-            raise APIError(400, "cache_salt must be a string")
-        salt = SALT_PREFIX + tenant
-        out["cache_salt"] = f"{salt}|{client_salt}" if client_salt else salt
-    return out
 
 
 class _TooLarge(Exception):

@@ -2,10 +2,10 @@
 
 vLLM's app serves many routes; every one that reaches the engine must get its tenant, cache salt
 and session from :mod:`server.api.auth` and the documented session fields
-(:func:`server.api.chat.rewrite_body`), never from the body. Only :data:`GENERATION_PATHS` are
-rewritten that way, so every other route that could reach the engine is removed from the app
-(:func:`restrict_routes`): ``/v1/responses/{id}`` (a stored response, not tenant-scoped),
-``/v1/messages``, ``/v1/chat/completions/batch``,
+(:func:`server.api.generation_body.rewrite_body`), never from the body. Only
+:data:`GENERATION_PATHS` are rewritten that way, so every other route that could reach the
+engine is removed from the app (:func:`restrict_routes`): ``/v1/responses/{id}`` (a stored
+response, not tenant-scoped), ``/v1/messages``, ``/v1/chat/completions/batch``,
 SageMaker's ``/invocations``, ``/generative_scoring``, the disaggregation and elastic-EP
 routes... and whatever a future vLLM adds. A removed route answers 404 with a message naming the
 routes that are served.
