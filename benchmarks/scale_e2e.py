@@ -54,7 +54,8 @@ from scale_start import block_keys, sparse_files  # noqa: E402
 from examples.managed import free_port  # noqa: E402
 from examples.server_process import ServerProcess, ServerStartError  # noqa: E402
 from server.kv.registry.sqlite import Registry  # noqa: E402
-from server.kv.tiers.disk import MANIFEST_FILE, Manifest, rank_file_bytes  # noqa: E402
+from server.kv.tiers.disk import MANIFEST_FILE, rank_file_bytes  # noqa: E402
+from server.kv.tiers.manifest import Manifest  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/5"
 MARGIN_FILES = 5_000

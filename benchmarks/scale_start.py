@@ -43,7 +43,8 @@ from server.kv.registry.sqlite import Registry  # noqa: E402
 from server.kv.scheduler.scheduler import SessionKVScheduler  # noqa: E402
 from server.kv.scheduler.warm_up import FileScan  # noqa: E402
 from server.kv.settings import ConnectorSettings  # noqa: E402
-from server.kv.tiers.disk import DiskStore, Manifest, rank_file_bytes  # noqa: E402
+from server.kv.tiers.disk import DiskStore, rank_file_bytes  # noqa: E402
+from server.kv.tiers.manifest import Manifest  # noqa: E402
 
 BS = 16
 MANIFEST = Manifest(

@@ -44,7 +44,7 @@ def saveable(ref: BlockRef) -> bool:
 
 class LayerBlocks:
     """Each layer's paged block ids for a batch of refs. ``layer_group``: per layer its KV
-    cache group (:attr:`~server.kv.tiers.disk.Manifest.groups`; empty: one group, refs are
+    cache group (:attr:`~server.kv.tiers.manifest.Manifest.groups`; empty: one group, refs are
     ids)."""
 
     def __init__(self, refs: Sequence[BlockRef], layer_group: Sequence[int] = ()) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.kv.settings import ConnectorSettings
-from server.kv.tiers.disk import Manifest
+from server.kv.tiers.manifest import Manifest
 from server.kv.weights import weights_fingerprint
 
 if TYPE_CHECKING:

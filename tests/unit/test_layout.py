@@ -13,7 +13,7 @@ Read off the source with :mod:`ast` (every ``import``, at module level or inside
   top-level modules and each other.
 - The shared top-level modules (``server/kv/*.py``) import none of the subpackages, with the
   edges in :data:`SHARED_TO_SUBPACKAGE` as the only exceptions:
-  ``layout.py`` -> ``tiers/disk.py`` (the layout *is* the disk tier's ``Manifest``, built
+  ``layout.py`` -> ``tiers/manifest.py`` (the layout *is* the tiers' ``Manifest``, built
   from vLLM's config; the manifest's fingerprint names the disk folder and the Redis prefix).
 - ``connector.py`` is the facade vLLM loads in both roles, so it may import every folder;
   ``server/kv/__init__.py`` re-exports the API process's session control
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHARED_TO_SUBPACKAGE = {("layout", "tiers.disk")}
+SHARED_TO_SUBPACKAGE = {("layout", "tiers.manifest")}
 """(importer, imported) edges below ``server.kv``: a shared top-level module into a subpackage."""
 
 SUBPACKAGES = ("scheduler", "worker", "registry", "tiers")
@@ -149,7 +149,7 @@ def test_the_check_fails_on_upward_imports(tmp_path: Path) -> None:
     files = {
         "__init__.py": "from pkg.registry.control import SessionControl\n",
         "connector.py": "from pkg.scheduler.plan import x\nfrom pkg.worker.copy import y\n",
-        "layout.py": "from pkg.tiers.disk import Manifest\n",
+        "layout.py": "from pkg.tiers.manifest import Manifest\n",
         "keys.py": "from pkg.tiers import disk\n",  # shared -> tiers: not an allowed edge
         "scheduler/__init__.py": "",
         "scheduler/plan.py": "from pkg import keys\nfrom pkg.worker import copy\n",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 
 from server.kv.tiers.block_frame import BlockFileError, block_header, parse_block
-from server.kv.tiers.disk import Manifest
+from server.kv.tiers.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  #
 from server.kv.settings import ConnectorSettings, SettingsError  # noqa: E402
 from server.kv.tiers.block_frame import PAGE  # noqa: E402
 from server.kv.tiers.codec import BlockCodec, fp8_available  # noqa: E402
-from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
+from server.kv.tiers.disk import DiskStore  # noqa: E402
+from server.kv.tiers.manifest import Manifest  # noqa: E402
 from server.kv.worker.worker import SessionKVWorker  # noqa: E402
 
 HEADS, TOKENS, DIM = 2, 8, 16

@@ -19,7 +19,8 @@ from server.kv.registry.control import (
     SessionExists,
     SessionNotFound,
 )
-from server.kv.tiers.disk import DiskStore, Manifest
+from server.kv.tiers.disk import DiskStore
+from server.kv.tiers.manifest import Manifest
 
 MANIFEST = Manifest(
     model_id="m",

@@ -9,7 +9,8 @@ import pytest
 
 from server.kv.keys import tail_key
 from server.kv.tiers.block_frame import PAGE, BlockFileError
-from server.kv.tiers.disk import DiskStore, Manifest, remove_block_files
+from server.kv.tiers.disk import DiskStore, remove_block_files
+from server.kv.tiers.manifest import Manifest
 
 MANIFEST = Manifest(
     model_id="m",

@@ -14,7 +14,8 @@ from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.policy import EvictionPolicy
 from server.kv.scheduler.recovery import DiskSpace, check_budgets, forget_unregistered_files
 from server.kv.scheduler.usage import LoadAccounting
-from server.kv.tiers.disk import MANIFEST_FILE, DiskStore, Manifest, block_file_bytes
+from server.kv.tiers.disk import MANIFEST_FILE, DiskStore, block_file_bytes
+from server.kv.tiers.manifest import Manifest
 from server.kv.weights import weights_fingerprint
 
 MANIFEST = Manifest("m", "torch.float32", 4, ("l0", "l1"), (32, 32), "sha256:abc")

@@ -13,7 +13,8 @@ from server.kv.groups import NULL_BLOCK, LayerBlocks, block_refs, saveable
 torch = pytest.importorskip("torch")
 
 from server.kv.metadata import LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
-from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
+from server.kv.tiers.disk import DiskStore  # noqa: E402
+from server.kv.tiers.manifest import Manifest  # noqa: E402
 from server.kv.worker.worker import SessionKVWorker  # noqa: E402
 
 NUM_BLOCKS, SHAPE = 16, (2, 8, 4)

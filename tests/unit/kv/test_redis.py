@@ -13,7 +13,7 @@ import pytest
 from server.kv.keys import block_key
 from server.kv.metadata import WorkerReport
 from server.kv.tiers.block_frame import BlockFileError
-from server.kv.tiers.disk import Manifest
+from server.kv.tiers.manifest import Manifest
 from server.kv.tiers.redis import RedisStore, RedisUnavailable
 
 pytestmark = pytest.mark.redis

@@ -91,7 +91,7 @@ def test_writes_wait_out_a_locked_registry_and_are_kept(sync: RegistrySync, tmp_
 def test_redis_lookups_answer_not_yet_then_a_miss_when_redis_hangs(tmp_path: Path) -> None:
     pytest.importorskip("redis")
     from server.kv.scheduler.redis_lookups import RedisLookups
-    from server.kv.tiers.disk import Manifest
+    from server.kv.tiers.manifest import Manifest
     from server.kv.tiers.redis import RedisStore
 
     hung = socket.socket()

@@ -24,7 +24,8 @@ from server.kv.scheduler.policy import EvictionPolicy, group_snapshot
 from server.kv.scheduler.registry_sync import SessionChange, Snapshot
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
-from server.kv.tiers.disk import DiskStore, Manifest
+from server.kv.tiers.disk import DiskStore
+from server.kv.tiers.manifest import Manifest
 
 FILE = 100
 

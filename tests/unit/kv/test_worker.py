@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan  # noqa: E402
 from server.kv.tiers.block_frame import PAGE  # noqa: E402
-from server.kv.tiers.disk import DiskStore, Manifest  # noqa: E402
+from server.kv.tiers.disk import DiskStore  # noqa: E402
+from server.kv.tiers.manifest import Manifest  # noqa: E402
 from server.kv.worker.worker import SessionKVWorker  # noqa: E402
 
 NUM_BLOCKS, SHAPE = 16, (2, 8, 4)  # per layer: [blocks, K/V, tokens, heads*dim]
