@@ -21,8 +21,12 @@ from server.kv.tiers.codec import BlockCodec
 class RamPool:
     """The worker's RAM blocks; the scheduler side decides which slot holds what."""
 
-    def __init__(self, num_slots: int, codec: BlockCodec) -> None:
+    def __init__(self, num_slots: int, codec: BlockCodec, *, batched: bool | None = None) -> None:
         self.codec = codec
+        self.batched = batched
+        """Move blocks as one indexed copy per layer (True), block by block (False), or as
+        the paged cache's device suits (None: batched off the CPU). A check of the CUDA path's
+        indexing and codec on CPU sets True (``scripts/gpu_copy_check.py``)."""
         self.block_bytes = codec.format.block_bytes
         self.num_slots = num_slots
         pin = torch.cuda.is_available()
@@ -58,7 +62,7 @@ class RamPool:
     def save(self, kv: list[torch.Tensor], blocks: LayerBlocks, slots: list[int]) -> None:
         """Encode paged blocks into slots (``kv``: per-layer views with the block dim first;
         ``blocks``: each layer's block ids, every one held: :func:`server.kv.groups.saveable`)."""
-        if kv and kv[0].device.type != "cpu":
+        if kv and self.is_batched(kv[0]):
             return self._save_batched(kv, blocks, slots)
         for i, layer in enumerate(kv):
             block_ids = blocks.of(i)
@@ -92,7 +96,7 @@ class RamPool:
             if not kept:
                 return None
             slots, block_ids = [s for s, _ in kept], [b for _, b in kept]
-        if layer.device.type != "cpu":
+        if self.is_batched(layer):
             return self._load_layer_batched(layer, i, slots, block_ids)
         pairs = list(zip(slots, block_ids, strict=True))
         if self.codec.format.exact:
@@ -106,6 +110,10 @@ class RamPool:
         for j, (_, block) in enumerate(pairs):
             layer[block].copy_(blocks[j])
         return None
+
+    def is_batched(self, like: torch.Tensor) -> bool:
+        """Whether blocks of a paged cache like ``like`` move batched (see :attr:`batched`)."""
+        return like.device.type != "cpu" if self.batched is None else self.batched
 
     def _slot_values(self, layer: int, slot: int, like: torch.Tensor) -> torch.Tensor:
         """Slot ``slot``'s bytes of ``layer`` viewed as one block of ``like`` (exact formats)."""

@@ -58,6 +58,7 @@ from server.kv.tiers.disk import DiskStore
 from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.tiers.redis import RedisStore
 from server.kv.worker.io_thread import IOThread, Read
+from server.kv.worker.kv_views import block_first_views
 from server.kv.worker.layer_loads import LayerLoads
 from server.kv.worker.token_slots import TokenSlots
 
@@ -137,25 +138,7 @@ class SessionKVWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Keep block-first views of every layer's cache and allocate the RAM pool."""
-        views: list[torch.Tensor] = []
-        for name, expected in zip(self.layers, self.layer_block_bytes, strict=False):
-            if name not in kv_caches:
-                raise RuntimeError(f"SessionKVConnector: no KV cache tensor for layer {name!r}")
-            tensor = kv_caches[name]
-            dims = [d for d, n in enumerate(tensor.shape) if n == num_blocks]
-            if not dims:
-                raise RuntimeError(
-                    f"SessionKVConnector: cannot find the block dimension of {name!r} "
-                    f"(shape {tuple(tensor.shape)}, {num_blocks} blocks)"
-                )
-            view = tensor.movedim(dims[0], 0)
-            got = view[0].numel() * view.element_size()
-            if got != expected:
-                raise RuntimeError(
-                    f"SessionKVConnector: layer {name!r} has {got} bytes per block, the "
-                    f"scheduler side expects {expected}; the KV cache layout is not supported"
-                )
-            views.append(view)
+        views = block_first_views(kv_caches, self.layers, self.layer_block_bytes, num_blocks)
         self.kv = views
         fmt = self.block_format or BlockFormat(
             "auto", str(views[0].dtype), tuple(self.layer_block_bytes)
