@@ -38,9 +38,10 @@ from server.kv.keys import block_key
 from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
 from server.kv.registry.shared import open_registry
+from server.kv.scheduler.block_state import BlockState
 from server.kv.scheduler.continuations import Continuations
 from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
-from server.kv.scheduler.index import BlockIndex, BlockState
+from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.policy import EvictionPolicy
 from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
