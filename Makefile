@@ -20,7 +20,7 @@ PYTEST = $$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dis
 setup:
 	@bash scripts/setup-env.sh
 
-SOURCES = langgraph_kvcache server tests benchmarks examples
+SOURCES = langgraph_kvcache server tests benchmarks examples scripts
 
 lint:
 	@v=$(VENV); set -e; $$v/bin/ruff check $(SOURCES); $$v/bin/ruff format --check $(SOURCES)
