@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from kv_engine import BLOCK, RAM_BLOCKS
-from test_connector import TENANT, hits, same_answer, tokens, turn
+from test_connector import TENANT, hits, same_answer, tier_blocks, tokens, turn
 
 from server.kv.keys import parse_tail_key
 from server.kv.registry import Registry
@@ -49,8 +49,7 @@ def test_next_turn_reuses_tail_from_disk(llm: Any, registry: Registry) -> None:
     p1 = tokens(111, 3 * BLOCK + 90)
     first = turn(llm, p1, "tail-disk")
     turn(llm, tokens(112, RAM_BLOCKS * BLOCK + 10), "tail-push")  # pushes the session out of RAM
-    assert registry.tier_usage(TENANT, "tail-disk")["ram"].blocks == 0
-    assert registry.tier_usage(TENANT, "tail-disk")["disk"].blocks == 4  # 3 blocks + the tail
+    assert tier_blocks(llm, registry, "tail-disk", ram=0, disk=4) == {"ram": 0, "disk": 4}
     p2 = p1 + first.tokens + tokens(113, 20)
     ref = turn(llm, p2, None, cache=False)
     before = hits(registry, "disk", "tails")
