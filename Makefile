@@ -7,10 +7,10 @@ export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
 # `make test` runs serially (about 30 minutes on 2 cores). TEST_WORKERS=2 runs two pytest-xdist
-# workers (`--dist loadgroup`: tests/conftest.py keeps the modules that share an in-process
-# engine or a server in one group, longest groups first): 22 minutes, 15.5 GB used at peak,
-# and not yet reliable (2026-12-07: test_server_faults.py's module server was started again
-# between two of its tests, which depend on each other, so one failed).
+# workers (tests/conftest.py's scheduler runs each group whole on one worker: a module, or the
+# modules that share an in-process engine or a server; longest groups first): 22 minutes,
+# 15.5 GB used at peak, not yet the default (until 2026-12-07 xdist's loadgroup split every
+# module across the workers; see tests/conftest.py pytest_xdist_make_scheduler).
 # `make test-long` runs the full-size scenarios (LGKV_TEST_LONG=1, tests/sizes.py).
 TEST_WORKERS ?= 0
 PYTEST = $$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dist loadgroup \
