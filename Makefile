@@ -6,13 +6,13 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-# `make test` runs serially (about 30 minutes on 2 cores). TEST_WORKERS=2 runs two pytest-xdist
-# workers (tests/conftest.py's scheduler runs each group whole on one worker: a module, or the
-# modules that share an in-process engine or a server; longest groups first): 22 minutes,
-# 15.5 GB used at peak, not yet the default (until 2026-12-07 xdist's loadgroup split every
-# module across the workers; see tests/conftest.py pytest_xdist_make_scheduler).
+# `make test` runs two pytest-xdist workers (19 minutes on 2 cores; serially, TEST_WORKERS=0,
+# 27). tests/conftest.py's scheduler runs each group whole on one worker: a module, or the
+# modules that share an in-process engine or a server, longest groups first (xdist's own
+# loadgroup split every module across the workers until 2026-12-07; see
+# pytest_xdist_make_scheduler there).
 # `make test-long` runs the full-size scenarios (LGKV_TEST_LONG=1, tests/sizes.py).
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 PYTEST = $$v/bin/python -m pytest -q -ra --timeout 1200 -n $(TEST_WORKERS) --dist loadgroup \
 	--no-loadscope-reorder --durations 20
 

@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", ENGINE_THREADS)
 
 
 # ---------------------------------------------------------------------------- xdist groups
-# ``TEST_WORKERS=2 make test`` runs two pytest-xdist workers with ``--dist loadgroup``: each
+# ``make test`` runs two pytest-xdist workers (``TEST_WORKERS``; see the scheduler below): each
 # group below runs whole on one worker, longest first, so the two workers finish together.
 SHARED_GROUPS: dict[str, tuple[str, ...]] = {
     # The in-process engine (tests/integration/kv/conftest.py ``llm``): vLLM keeps the KV
