@@ -40,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.kv.formats import BlockFormat
 from server.kv.groups import LayerBlocks
 from server.kv.tiers.codec import BlockCodec
+from server.kv.tiers.manifest import Manifest
 from server.kv.tiers.ram import RamPool
 from server.kv.worker.kv_views import block_first_views
 
@@ -132,15 +132,17 @@ def build(geo: Geometry, layout: str, offload: str, device: torch.device, batche
     caches = {n: torch.randn(geo.layer_shape(layout), device=device).to(geo.dtype) for n in names}
     per_block = caches[names[0]].numel() // geo.num_blocks * caches[names[0]].element_size()
     views = block_first_views(caches, names, [per_block] * geo.layers, geo.num_blocks)
-    heads = 1 if layout == "mla" else geo.kv_heads
-    scaled = offload in ("int8", "fp8")
-    fmt = BlockFormat(
-        offload,
-        str(geo.dtype).removeprefix("torch."),
-        (per_block,) * geo.layers,
-        kv_heads=heads if scaled else 1,
-        block_tokens=geo.block_size if scaled else 1,
+    manifest = Manifest(  # the connector's own description of a block, and its format
+        model_id=geo.name,
+        dtype=str(geo.dtype),
+        block_size=geo.block_size,
+        layers=tuple(names),
+        layer_block_bytes=(per_block,) * geo.layers,
+        hash_scheme="gpu-copy-check",
+        offload_dtype=offload,
+        kv_heads=1 if layout == "mla" else geo.kv_heads,
     )
+    fmt = manifest.block_format
     codec = BlockCodec(fmt, [tuple(v.shape[1:]) for v in views])
     pool = RamPool(geo.num_blocks // 2, codec, batched=batched)
     return views, pool
