@@ -133,8 +133,15 @@ class SessionKeeper(LifecycleHooks):
     def _register_steps(self, key: tuple[str, str]) -> Steps[None]:
         """A thread's first checkpoint stored by this process (a write, never a read): record
         its use and register its session with the saver's TTL, in the background."""
-        yield Sql(self._op_use(key, True), "write")
+        yield Sql(self._op_register(key), "write")
         yield from self._drain_steps()
+
+    def _op_register(self, key: tuple[str, str]) -> Op[None]:
+        """Record and owe the registration, unless the thread lost its checkpoints since (a
+        delete committed before this job ran: no row nor session for a deleted thread)."""
+        gone = yield from store.op_threads_without_checkpoints([key[0]])
+        if not gone:
+            yield from self._op_use(key, True)
 
     def _after_task_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]]) -> None:
         if self.run_pins is not None:
@@ -168,13 +175,12 @@ class SessionKeeper(LifecycleHooks):
     # -- in-transaction hooks (run by the saver inside its change's transaction) -------------
 
     def _tx_delete_threads(self, change: Op[T], thread_ids: Sequence[str]) -> Op[T]:
-        result = yield from change
-        yield from self._op_drop(thread_ids)
-        return result
+        yield from self._op_drop(thread_ids)  # first: it reads the namespaces of checkpoints
+        return (yield from change)
 
     def _tx_copy_thread(self, change: Op[T], source: str, target: str) -> Op[T]:
         result = yield from change
-        pairs = yield from store.op_namespaces([source])
+        pairs = yield from store.op_thread_namespaces([source])
         calls, rows = copy_calls(source, target, pairs)
         yield from store.op_touch(self.runner.dialect, rows, time.time())
         yield from self._op_owe(calls)
@@ -194,12 +200,13 @@ class SessionKeeper(LifecycleHooks):
         cutoff = time.time() - self.options.ttl_seconds
         threads = yield from store.op_expired(cutoff, limit)
         if threads:
-            yield from self.runner.delete_threads(threads)
             yield from self._op_drop(threads)
+            yield from self.runner.delete_threads(threads)
         return threads
 
     def _op_drop(self, thread_ids: Sequence[str]) -> Op[None]:
-        """Forget the threads' session rows and owe a delete of each of their sessions."""
+        """Forget the threads' session rows and owe a delete of each of their sessions (those
+        recorded and those of their checkpoints: run it before deleting the checkpoints)."""
         sessions = yield from store.op_forget(thread_ids)
         self._tracker.forget(thread_ids)
         if self.run_pins is not None:

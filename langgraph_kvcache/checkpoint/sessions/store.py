@@ -41,7 +41,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from langgraph_kvcache.checkpoint.base import Op, Stmt
 from langgraph_kvcache.checkpoint.schema import checkpoints
-from langgraph_kvcache.sessions import session_id_for
+from langgraph_kvcache.sessions import session_id_for, strip_task_ids
 
 _metadata = MetaData()
 
@@ -139,9 +139,28 @@ def op_namespaces(thread_ids: Sequence[str]) -> Op[list[tuple[str, str]]]:
     return out
 
 
+def op_thread_namespaces(thread_ids: Sequence[str]) -> Op[list[tuple[str, str]]]:
+    """The (thread, namespace) pairs of ``thread_ids`` that have a session: those recorded,
+    and those of their stored checkpoints (task ids stripped). The checkpoints commit with the
+    graph's step, while a namespace's row is recorded by a background job (or by another
+    process) that may not have run yet; so a delete or a copy made right after a run still
+    finds every subgraph's session."""
+    recorded = yield from op_namespaces(thread_ids)
+    c = checkpoints.c
+    stored: list[tuple[str, str]] = []
+    for chunk in _chunks(list(thread_ids)):
+        rows = yield Stmt(
+            select(c.thread_id, c.checkpoint_ns).where(c.thread_id.in_(chunk)).distinct(),
+            fetch=True,
+        )
+        stored.extend((r["thread_id"], strip_task_ids(r["checkpoint_ns"])) for r in rows)
+    return list(dict.fromkeys([*recorded, *stored]))
+
+
 def op_forget(thread_ids: Sequence[str]) -> Op[list[str]]:
-    """Delete the rows of ``thread_ids``; returns the session ids they named."""
-    pairs = yield from op_namespaces(thread_ids)
+    """Delete the rows of ``thread_ids``; returns the session ids of their recorded rows and
+    checkpoints (run it before the checkpoints are deleted)."""
+    pairs = yield from op_thread_namespaces(thread_ids)
     for chunk in _chunks(list(thread_ids)):
         yield Stmt(delete(kv_sessions).where(kv_sessions.c.thread_id.in_(chunk)))
     return [session_id_for(t, ns) for t, ns in pairs]
