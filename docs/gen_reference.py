@@ -57,7 +57,7 @@ def configuration_page() -> str:
     from server.config import ServerConfig
 
     docs = _field_docs()
-    from server.config import connector_defaults
+    from server.connector_config import connector_defaults
 
     connector_keys = sorted(connector_defaults())
     lines = [

@@ -163,7 +163,7 @@ def _open_control(config: ServerConfig, engine: Any) -> Any:
     if not config.kv_offload:
         log.info("KV offload is off (--no-kv-offload): the session API answers 503")
         return None
-    from server.config import redis_namespace
+    from server.connector_config import redis_namespace
     from server.engine import resolve_model
     from server.kv.registry.control import SessionControl
     from server.kv.registry.quotas import TenantQuotas

@@ -4,11 +4,11 @@ Every field of :class:`ServerConfig` is declared once, with its :class:`server.o
 (flag, ``LGKV_*`` variable, parser, help, connector key). From that one table come the
 environment (:func:`env_settings`), our command-line flags and ``--help`` (:mod:`server.flags`),
 ``docs/configuration.md`` and the dict that crosses to the KV connector
-(:func:`connector_extra_config`); the connector takes its defaults from here too
-(:func:`connector_defaults`), so ``vllm serve --kv-transfer-config ...`` with our connector
-behaves like ``python -m server``. A flag beats the variable, the variable beats the default.
-Flags of vLLM that the table does not name (``--tensor-parallel-size``,
-``--enable-chunked-prefill``, ...) travel unchanged in :attr:`ServerConfig.vllm_args`.
+(:mod:`server.connector_config`, which also gives the connector its defaults from here, so
+``vllm serve --kv-transfer-config ...`` with our connector behaves like ``python -m server``).
+A flag beats the variable, the variable beats the default. Flags of vLLM that the table does
+not name (``--tensor-parallel-size``, ``--enable-chunked-prefill``, ...) travel unchanged in
+:attr:`ServerConfig.vllm_args`.
 
 Sizes accept plain bytes or units: ``512MiB``, ``2GiB``, ``1.5GB``, ``64M`` (binary for the
 ``i`` forms and single letters, decimal for ``kB/MB/GB/TB``).
@@ -23,7 +23,6 @@ import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from langgraph_kvcache.contract import InvalidTTL, check_ttl
 from server.kv.formats import OFFLOAD_DTYPES
@@ -45,13 +44,10 @@ __all__ = [
     "KV_OFFLOAD_DTYPES",
     "ConfigError",
     "ServerConfig",
-    "connector_defaults",
-    "connector_extra_config",
     "env_settings",
     "parse_bool",
     "parse_seconds",
     "parse_size",
-    "redis_namespace",
     "settings_table",
 ]
 
@@ -442,38 +438,3 @@ def env_settings(env: Mapping[str, str]) -> dict[str, object]:
         value = s.parse(raw, name=s.env)
         out[name] = not value if s.negated else value
     return out
-
-
-def connector_extra_config(config: ServerConfig, model_id: str) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` dict: the table's connector fields, plus the
-    effective folders and the model id. Plain JSON (it travels to the engine process)."""
-    out: dict[str, Any] = {
-        "cache_dir": str(config.cache_dir),
-        "disk_dir": str(config.disk_dir),
-        "model_id": model_id,
-    }
-    for name, s in settings_table():
-        if s.connector is not None:
-            out[s.connector] = _wire(getattr(config, name))
-    return out
-
-
-def redis_namespace(config: ServerConfig, served_name: str) -> str:
-    """The Redis session namespace of a server: ``--kv-redis-namespace``, else its served
-    model name; characters outside ``A-Za-z0-9._:/@+=-`` become ``_`` (a Redis key glob or
-    a Cluster hash tag never sees them)."""
-    raw = config.kv_redis_namespace or served_name or "default"
-    return re.sub(r"[^A-Za-z0-9._:/@+=\-]", "_", raw)
-
-
-def connector_defaults() -> dict[str, Any]:
-    """What the connector assumes for a key its ``kv_connector_extra_config`` lacks: the same
-    defaults as ``python -m server`` (used when vLLM loads the connector by itself)."""
-    defaults = ServerConfig()
-    out = connector_extra_config(defaults, model_id="")
-    out["disk_dir"] = None  # follows cache_dir when only that is given
-    return out
-
-
-def _wire(value: Any) -> Any:
-    return str(value) if isinstance(value, Path) else value

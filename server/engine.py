@@ -25,9 +25,8 @@ from server.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY_BYTES,
     ConfigError,
     ServerConfig,
-    connector_extra_config,
-    redis_namespace,
 )
+from server.connector_config import connector_extra_config, redis_namespace
 from server.kv.layout import transfer_config
 
 if TYPE_CHECKING:

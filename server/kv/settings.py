@@ -1,10 +1,11 @@
 """Typed connector settings parsed from vLLM's ``kv_connector_extra_config``.
 
-The app passes the keys :func:`server.config.connector_extra_config` builds from the config
-table; :meth:`ConnectorSettings.from_extra_config` validates them and raises
+The app passes the keys :func:`server.connector_config.connector_extra_config` builds from the
+config table; :meth:`ConnectorSettings.from_extra_config` validates them and raises
 :class:`SettingsError` with a message naming the bad key. A key that is missing (plain
 ``vllm serve --kv-transfer-config ...`` with this connector) takes the server's own default
-(:func:`server.config.connector_defaults`): the connector has no defaults of its own for them.
+(:func:`server.connector_config.connector_defaults`): the connector has no defaults of its
+own for them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class ConnectorSettings:
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         """Parse and validate ``kv_connector_extra_config``; missing keys take the server's
         defaults."""
-        from server.config import connector_defaults
+        from server.connector_config import connector_defaults
 
         extra = {**connector_defaults(), **(extra or {})}
         cache_dir = extra.get("cache_dir")

@@ -4,7 +4,7 @@
 layout of :mod:`server.kv.registry.lua`: every write is one Lua script (atomic, so several
 replicas and API processes may write at once), every multi-key read one MULTI/EXEC. Keys sit
 under ``lgkv:reg:{<namespace>}:``; replicas that serve the same model under the same name
-share a namespace (:func:`server.config.redis_namespace`), other models and test runs use
+share a namespace (:func:`server.connector_config.redis_namespace`), other models and test runs use
 their own.
 
 The feeds are Redis Streams, not pub/sub: an entry stays until the stream is trimmed (to about
