@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from langgraph_kvcache.contract import InvalidTTL, check_ttl
+from server.config_checks import TOOL_STRICT_LEVELS, check_config
 from server.kv.formats import OFFLOAD_DTYPES
 from server.options import (
     ConfigError,
@@ -63,11 +62,9 @@ DEFAULT_MAX_BODY_BYTES = 2 << 20
 DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
 """vLLM's hermes parser with the arguments kept as generated (server/tool_parser.py)."""
 DEFAULT_TOOL_STRICT_LEVEL = "parameter"
-TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
 """Accepted ``--tool-strict-level`` values (vLLM's ``ToolStrictLevel`` names)."""
 KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
 """Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
-_REPLICA_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
 
 def _default_cache_dir() -> Path:
@@ -355,50 +352,7 @@ class ServerConfig:
     (e.g. ``("--tensor-parallel-size", "2")``)."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"--port/LGKV_PORT must be 1..65535, got {self.port}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("kv_ram_bytes", "kv_disk_bytes"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.kv_offload and self.kv_ram_bytes == 0:
-            raise ConfigError("--kv-ram-bytes must be > 0 (use --no-kv-offload to turn it off)")
-        if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
-            raise ConfigError(
-                f"--kv-offload-dtype/LGKV_KV_OFFLOAD_DTYPE must be one of "
-                f"{', '.join(KV_OFFLOAD_DTYPES)}; got {self.kv_offload_dtype!r}"
-            )
-        if self.tool_strict_level not in TOOL_STRICT_LEVELS:
-            raise ConfigError(
-                f"--tool-strict-level must be one of {', '.join(TOOL_STRICT_LEVELS)}; "
-                f"got {self.tool_strict_level!r}"
-            )
-        for name in ("kv_redis_ttl", "kv_stats_flush", "kv_default_gap", "kv_min_gap"):
-            value = getattr(self, name)  # parse_seconds reads 0 as None
-            if value is None or value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds > 0")
-        if self.kv_session_ttl is not None:
-            try:
-                check_ttl(self.kv_session_ttl, field="--kv-session-ttl/LGKV_KV_SESSION_TTL")
-            except InvalidTTL as exc:
-                raise ConfigError(str(exc)) from None
-        if self.replica_id is not None and not _REPLICA_ID.fullmatch(self.replica_id):
-            raise ConfigError(
-                f"--replica-id/LGKV_REPLICA_ID must be 1-200 visible ASCII characters, "
-                f"got {self.replica_id!r}"
-            )
-        for name in ("session_calls_per_key", "tenant_max_sessions", "tenant_max_unleased_pins"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.kv_branch_blocks < 0:
-            raise ConfigError("--kv-branch-blocks must be >= 0")
-        if self.max_pin_lease is None or self.max_pin_lease <= 0:
-            raise ConfigError("--max-pin-lease must be a number of seconds > 0")
-        if any(not k for k in self.api_keys):
-            raise ConfigError("--api-key/LGKV_API_KEY must not contain empty keys")
+        check_config(self)
 
     @property
     def replica_name(self) -> str:
