@@ -11,7 +11,7 @@ Verbs, per request:
   count is then not block-aligned); never the whole prompt (vLLM must compute at least one token).
   All-RAM hits load synchronously; any disk block makes the load asynchronous.
 - ``update_state_after_alloc``: turns the lookup into a :class:`LoadJob` on the blocks vLLM
-  allocated, locking the RAM slots read.
+  allocated, locking the RAM slots read (:mod:`server.kv.scheduler.loads`).
 - ``build_plan`` (each step): saves of every block a scheduled request completes this step,
   with RAM slots and disk space reserved (evicting by :class:`EvictionPolicy`).
 - ``request_finished``: queues the session's turn for the registry (block list, tokens, gap)
@@ -33,15 +33,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.kv.groups import NULL_BLOCK, BlockRef, saveable
+from server.kv.groups import BlockRef, saveable
 from server.kv.keys import block_key
-from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
+from server.kv.metadata import SaveItem, StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
 from server.kv.registry.shared import open_registry
-from server.kv.scheduler.block_state import BlockState
 from server.kv.scheduler.continuations import Continuations
 from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
 from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.loads import plan_load
 from server.kv.scheduler.policy import EvictionPolicy
 from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
@@ -54,7 +54,6 @@ from server.kv.tiers.redis import RedisStore
 
 log = logging.getLogger(__name__)
 
-_NO_STATE = BlockState("")
 _IDLE_POLL_S = 0.002
 _WARM_IDLE_S, _WARM_BUSY_S = 0.010, 0.002
 """Seconds of start-up work (files, snapshots) per step: idle, and with requests scheduled."""
@@ -202,52 +201,14 @@ class SessionKVScheduler:
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
             return
-        count = num_external_tokens // self.block_size
-        self.publisher.count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
-        keys, tiers = lookup.keys[:count], lookup.tiers[:count]
-        # vLLM takes a lookup whole or cut to whole blocks: a remainder is the tail's part
-        tail = lookup.tail if num_external_tokens % self.block_size else None
-        if tail is not None:
-            keys, tiers = [*keys, tail.key], [*tiers, tail.tier]
-            self.publisher.count(
-                "lgkv_hit_tail_tokens_total", num_external_tokens % self.block_size
-            )
-        if not keys:
+        job = plan_load(
+            request.request_id, self.index, self.publisher, lookup, block_ids, num_external_tokens,
+            block_size=self.block_size, async_loads=self.async_loads,
+        )  # fmt: skip
+        if job is None:
             return
-        unslotted = [
-            k
-            for offset, (k, t) in enumerate(zip(keys, tiers, strict=True))
-            if t != "ram"
-            and block_ids[lookup.start + offset] != NULL_BLOCK  # skipped: never read
-            and self.index.blocks.get(k, _NO_STATE).slot == NO_SLOT
-        ]
-        promote = self.index.alloc_slots(len(unslotted), protect=set(keys))
-        items: list[LoadItem] = []
-        for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
-            block_id = block_ids[lookup.start + offset]
-            kind = "tail" if tail is not None and key == tail.key else "block"
-            self.publisher.count(f'lgkv_hit_{kind}s_total{{tier="{tier}"}}', 1)
-            self.index.touch(key)
-            if block_id == NULL_BLOCK:
-                continue  # a sliding window skips this position: nothing to copy
-            if tier == "ram":
-                ram = self.index.blocks[key]
-                ram.locks += 1
-                items.append(LoadItem(block_id, key, ram.slot, "ram", kind == "tail"))
-                continue
-            slot = NO_SLOT
-            state = self.index.blocks.get(key)
-            if promote and (state is None or state.slot == NO_SLOT):
-                slot = promote.pop()
-                state = self.index.ensure(key)
-                state.slot, state.ram_ready = slot, False
-                state.locks += 1
-            items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
-        for slot in promote:  # not needed after all
-            self.index.free_slots.append(slot)
-        is_async = self.async_loads or any(t != "ram" for t in tiers)
-        self._plan.loads.append(LoadJob(request.request_id, tuple(items), is_async))
-        if is_async:
+        self._plan.loads.append(job)
+        if job.is_async:
             track(self._tracked, request).loading = True
 
     # -------------------------------------------------------------------- plans

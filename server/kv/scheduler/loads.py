@@ -1,0 +1,78 @@
+"""A request's load: its lookup (:class:`~server.kv.scheduler.requests.Lookup`) turned into a
+:class:`~server.kv.metadata.LoadJob` on the blocks vLLM allocated for it.
+
+Scheduler side (no torch, never blocks): RAM blocks read are locked until the worker reports
+the load; blocks from disk or Redis get a RAM slot when one is free (promoted, so the next
+turn finds them in RAM); positions a sliding window skips (vLLM's null block) copy nothing.
+Hits and misses are counted as the lookup is taken.
+"""
+
+from __future__ import annotations
+
+from server.kv.groups import NULL_BLOCK, BlockRef
+from server.kv.metadata import NO_SLOT, LoadItem, LoadJob
+from server.kv.scheduler.block_state import BlockState
+from server.kv.scheduler.index import BlockIndex
+from server.kv.scheduler.publisher import Publisher
+from server.kv.scheduler.requests import Lookup
+
+_NO_STATE = BlockState("")
+
+
+def plan_load(
+    request_id: str,
+    index: BlockIndex,
+    publisher: Publisher,
+    lookup: Lookup,
+    block_ids: list[BlockRef],
+    num_external_tokens: int,
+    *,
+    block_size: int,
+    async_loads: bool,
+) -> LoadJob | None:
+    """Request ``request_id``'s load of ``lookup`` into ``block_ids`` for the
+    ``num_external_tokens`` vLLM took (the lookup whole, or cut to whole blocks); None when
+    nothing is loaded. ``async_loads``: every load asynchronous (several KV cache groups)."""
+    count = num_external_tokens // block_size
+    publisher.count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
+    keys, tiers = lookup.keys[:count], lookup.tiers[:count]
+    # vLLM takes a lookup whole or cut to whole blocks: a remainder is the tail's part
+    tail = lookup.tail if num_external_tokens % block_size else None
+    if tail is not None:
+        keys, tiers = [*keys, tail.key], [*tiers, tail.tier]
+        publisher.count("lgkv_hit_tail_tokens_total", num_external_tokens % block_size)
+    if not keys:
+        return None
+    unslotted = [
+        k
+        for offset, (k, t) in enumerate(zip(keys, tiers, strict=True))
+        if t != "ram"
+        and block_ids[lookup.start + offset] != NULL_BLOCK  # skipped: never read
+        and index.blocks.get(k, _NO_STATE).slot == NO_SLOT
+    ]
+    promote = index.alloc_slots(len(unslotted), protect=set(keys))
+    items: list[LoadItem] = []
+    for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
+        block_id = block_ids[lookup.start + offset]
+        kind = "tail" if tail is not None and key == tail.key else "block"
+        publisher.count(f'lgkv_hit_{kind}s_total{{tier="{tier}"}}', 1)
+        index.touch(key)
+        if block_id == NULL_BLOCK:
+            continue  # a sliding window skips this position: nothing to copy
+        if tier == "ram":
+            ram = index.blocks[key]
+            ram.locks += 1
+            items.append(LoadItem(block_id, key, ram.slot, "ram", kind == "tail"))
+            continue
+        slot = NO_SLOT
+        state = index.blocks.get(key)
+        if promote and (state is None or state.slot == NO_SLOT):
+            slot = promote.pop()
+            state = index.ensure(key)
+            state.slot, state.ram_ready = slot, False
+            state.locks += 1
+        items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
+    for slot in promote:  # not needed after all
+        index.free_slots.append(slot)
+    is_async = async_loads or any(t != "ram" for t in tiers)
+    return LoadJob(request_id, tuple(items), is_async)
