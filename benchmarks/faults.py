@@ -25,20 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import re
 import shutil
-import signal
-import socket
-import sqlite3
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -46,115 +40,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ENGINE_ARGS: tuple[str, ...] = (
-    "--kv-cache-memory-bytes", "128MiB",
-    "--max-model-len", "2048",
-    "--max-num-seqs", "8",
-    "--enforce-eager",
-    "--kv-ram-bytes", "256MiB",
-    "--kv-disk-bytes", "1GiB",
-)  # fmt: skip
+from benchmarks.fault_files import (  # noqa: E402
+    block_files,
+    corrupt_files,
+    count_lines,
+    damage_session,
+    existing,
+    recorded_segments,
+    session_keys,
+)
+from benchmarks.fault_server import ENGINE_ARGS, Server, kill_server, log_text  # noqa: E402
+
 BLOCK = 128
 """Tokens per block on CPU."""
-SHM = Path("/dev/shm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    """One ``python -m server`` in its own process group; restarts keep port and folders."""
-
-    model_dir: Path
-    cache_dir: Path
-    log_path: Path
-    args: Sequence[str] = ENGINE_ARGS
-    model: str = "tiny-llama"
-    port: int = field(default_factory=_free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 300.0) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "server",
-            "--model",
-            str(self.model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            self.model,
-            "--cache-dir",
-            str(self.cache_dir),
-            *self.args,
-        ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        with self.log_path.open("ab") as log:
-            log.write(f"\n=== start {' '.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; see {self.log_path}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        kill_server(self)
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s; see {self.log_path}")
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM, as a supervisor stops it; SIGKILL of the group if it hangs."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return None
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            return None
-
-
-def kill_server(server: Server) -> None:
-    """SIGKILL of the server's whole process group (API, engine core, workers, resource
-    tracker). Takes any object with ``proc`` (this module's ``Server``, the tests' one)."""
-    proc, server.proc = server.proc, None
-    if proc is not None:
-        kill_group(proc)
-
-
-def log_text(server: Server) -> str:
-    return server.log_path.read_text(errors="replace")
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc``'s process group and wait until every member is gone."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -227,58 +125,6 @@ def long_prompt(tag: str, blocks: int) -> str:
     return f"{tag}. " + " ".join(lines)
 
 
-# ----------------------------------------------------------------------------- files
-
-
-def session_keys(cache_dir: Path, session: str) -> list[str]:
-    """The session's block keys in prefix order, as the registry lists them."""
-    with contextlib.closing(sqlite3.connect(cache_dir / "sessions.sqlite3")) as db:
-        rows = db.execute(
-            "SELECT key FROM session_blocks WHERE session_id = ? ORDER BY idx", (session,)
-        ).fetchall()
-    return [r[0] for r in rows]
-
-
-def block_files(cache_dir: Path, key: str) -> list[Path]:
-    """The files of a block key in every layout folder."""
-    return sorted((cache_dir / "blocks").glob(f"*/{key[:2]}/{key[2:4]}/{key}.kvb"))
-
-
-def corrupt_files(cache_dir: Path) -> int:
-    """Block files that fail their header or checksum."""
-    from server.kv.tiers.block_frame import BlockFileError, parse_block
-
-    bad = 0
-    for path in (cache_dir / "blocks").glob("*/*/*/*.kvb"):
-        raw = path.read_bytes()
-        key = path.name.removesuffix(".kvb")
-        try:
-            length = struct.unpack_from("<8sHQ", raw)[2] if len(raw) >= 18 else 0
-            parse_block(raw, key, memoryview(bytearray(length)), str(path))
-        except BlockFileError:
-            bad += 1
-    return bad
-
-
-def recorded_segments(cache_dir: Path) -> set[str]:
-    """Shared-memory names the server's records list (see ``server.shm``)."""
-    import json
-
-    names: set[str] = set()
-    for path in (cache_dir / "shm").glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            names |= set(json.loads(path.read_text()).get("segments", {}))
-    return names
-
-
-def existing(names: set[str]) -> set[str]:
-    return {n for n in names if (SHM / n).exists()}
-
-
-def count_lines(text: str, pattern: str) -> int:
-    return len(re.findall(pattern, text))
-
-
 # ----------------------------------------------------------------------------- scenarios
 
 Figures = dict[str, object]
@@ -333,27 +179,6 @@ def sigterm_round(server: Server, session: str | None = None, blocks: int = 14) 
         "blocks missing after SIGTERM": missing,
         "5xx responses": tally.errors_5xx,
     }
-
-
-def damage(path: Path, how: str, other: Path | None = None) -> None:
-    """Truncate, flip a payload byte of, or swap (with ``other``) a block file."""
-    raw = bytearray(path.read_bytes())
-    if how == "truncated":
-        path.write_bytes(raw[: len(raw) // 2])
-    elif how == "flipped":
-        raw[-100] ^= 0xFF
-        path.write_bytes(raw)
-    elif how == "swapped":
-        assert other is not None
-        data = other.read_bytes()
-        other.write_bytes(raw)
-        path.write_bytes(data)
-
-
-def damage_session(server: Server, session: str, first: int, how: str) -> None:
-    """Damage block ``first`` of a session's files (and the next one, for a swap)."""
-    files = [block_files(server.cache_dir, k)[0] for k in session_keys(server.cache_dir, session)]
-    damage(files[first], how, files[first + 1] if how == "swapped" else None)
 
 
 def damaged_files(

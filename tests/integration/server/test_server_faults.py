@@ -1,6 +1,7 @@
 """Crashes and damage against one real server (a private copy of the tiny model).
 
-The short version of ``benchmarks/faults.py`` (whose scenario functions these tests call):
+The short version of ``benchmarks/faults.py`` (whose scenario functions, and the file helpers
+of ``benchmarks/fault_files.py``, these tests call):
 engine log lines in vLLM's format, SIGTERM right after an answer keeps every block of that
 turn, a damaged block file makes ``cached_tokens`` stop at the damage, kill -9 round leaves no
 shared memory after the restart, a lost registry takes its block files with it, and weights
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+import fault_files
 import faults
 
 from tests.integration.conftest import USERS_PROCESSES
@@ -63,13 +65,13 @@ def test_sigterm_right_after_an_answer_keeps_every_block(server: ServerProcess) 
 
 def test_damaged_block_file_cached_tokens_count_only_what_loaded(server: ServerProcess) -> None:
     prompt = faults.long_prompt(SESSION, 14)  # the turn above: on disk only since the restart
-    faults.damage_session(server, SESSION, 2, "flipped")
+    fault_files.damage_session(server, SESSION, 2, "flipped")
     tally = faults.Tally()
     _, cached = faults.checked_turn(server, prompt, SESSION, tally)
     assert cached == 2 * faults.BLOCK  # vLLM recomputed from the damaged block on
     assert tally.identical == tally.answers == 1 and tally.errors_5xx == 0
     assert "checksum mismatch" in server.log_path.read_text(errors="replace")
-    assert faults.corrupt_files(server.cache_dir) == 0  # the damaged file went
+    assert fault_files.corrupt_files(server.cache_dir) == 0  # the damaged file went
 
 
 def test_kill9_rounds_leave_no_shared_memory_then_lost_registry_is_recovered(
@@ -84,9 +86,9 @@ def test_kill9_rounds_leave_no_shared_memory_then_lost_registry_is_recovered(
 
     def lose_registry(round_: int) -> None:
         if round_ == 0:
-            keys.extend(faults.session_keys(server.cache_dir, SESSION))
-            damaged.append(faults.block_files(server.cache_dir, keys[3])[0])
-            faults.damage(damaged[0], "truncated")
+            keys.extend(fault_files.session_keys(server.cache_dir, SESSION))
+            damaged.append(fault_files.block_files(server.cache_dir, keys[3])[0])
+            fault_files.damage(damaged[0], "truncated")
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{registry}{suffix}").unlink(missing_ok=True)
 
@@ -103,7 +105,7 @@ def test_kill9_rounds_leave_no_shared_memory_then_lost_registry_is_recovered(
     assert re.search(rf"WARNING .*session registry {re.escape(str(registry))} is missing", log)
     r = httpx.get(f"{server.base_url}/v1/sessions/{SESSION}", timeout=30)
     assert r.status_code == 404
-    assert keys and not any(faults.block_files(server.cache_dir, k) for k in keys)
+    assert keys and not any(fault_files.block_files(server.cache_dir, k) for k in keys)
 
 
 def test_weights_swapped_in_place_never_reuse_old_kv(server: ServerProcess) -> None:
