@@ -74,6 +74,12 @@ DEFAULT_MODEL: Final = "SmolLM2-135M-Instruct"
 DEFAULT_SERVER_URL: Final = "http://127.0.0.1:8000"
 SESSION_FIELD: Final = "prompt_cache_key"
 """Request body field that carries the session id to the server."""
+PROVIDER: Final = "langgraph-kvcache"
+"""The provider this model names: LangSmith's ``ls_provider`` and each answer's
+``response_metadata["model_provider"]``. One name for both, as LangChain's own middleware
+compares them (``SummarizationMiddleware`` trusts the usage an answer reports only from the
+model it summarises with), and messages outside OpenAI's translator take LangChain's general
+``content_blocks`` parsing, which keeps vLLM's ``reasoning_content``."""
 
 
 def default_base_url() -> str:
@@ -167,7 +173,7 @@ class ChatKVCache(ChatOpenAI):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "langgraph-kvcache"
+        params["ls_provider"] = PROVIDER
         return params
 
     # -- structured output --------------------------------------------------------------------
@@ -296,6 +302,8 @@ class ChatKVCache(ChatOpenAI):
 
     def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
         result = super()._create_chat_result(response, generation_info)
+        for generation in result.generations:
+            generation.message.response_metadata["model_provider"] = PROVIDER
         return keep_reasoning(result, response) if self.preserve_reasoning else result
 
     def _convert_chunk_to_generation_chunk(
@@ -304,6 +312,8 @@ class ChatKVCache(ChatOpenAI):
         out = super()._convert_chunk_to_generation_chunk(
             chunk, default_chunk_class, base_generation_info
         )
+        if out is not None and "model_provider" in out.message.response_metadata:
+            out.message.response_metadata["model_provider"] = PROVIDER
         return keep_streamed_reasoning(out, chunk) if self.preserve_reasoning else out
 
     # -- errors that say where and what ---------------------------------------------------------

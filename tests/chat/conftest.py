@@ -36,6 +36,8 @@ class ChatReply:
     content: str = "Hello from the recording server."
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     """OpenAI tool calls: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    reasoning: str | None = None
+    """vLLM's ``reasoning`` field of the answer (a reasoning parser's output), if any."""
     prompt_tokens: int = 11
     cached_tokens: int = 0
     completion_tokens: int = 5
@@ -142,6 +144,8 @@ def _completion(body: dict[str, Any], reply: ChatReply) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
+    if reply.reasoning is not None:
+        message["reasoning"] = reply.reasoning
     return {
         "id": "chatcmpl-test",
         "object": "chat.completion",
