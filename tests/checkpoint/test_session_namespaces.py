@@ -20,6 +20,7 @@ from checkpoint_graphs import subgraph_graph
 from langchain_core.messages import HumanMessage
 from sqlalchemy import select
 
+from langgraph_kvcache.checkpoint.aio import AsyncSQLAlchemySaver
 from langgraph_kvcache.checkpoint.base import Stmt
 from langgraph_kvcache.checkpoint.sessions.options import KVSessionOptions
 from langgraph_kvcache.checkpoint.sessions.store import kv_sessions, op_pending
@@ -94,3 +95,21 @@ def _rows() -> Any:
     c = kv_sessions.c
     rows = yield Stmt(select(c.thread_id, c.checkpoint_ns), fetch=True)
     return {(r["thread_id"], r["checkpoint_ns"]) for r in rows}
+
+
+async def test_the_async_saver_owes_them_too(db_url: str) -> None:
+    t, u = "ans-t", "ans-u"
+    with SQLAlchemySaver.from_conn_string(db_url) as plain:
+        plain.setup()
+        _run(plain, t)
+    options = _dead_options()
+    async with AsyncSQLAlchemySaver.from_conn_string(db_url, kv_server=options) as saver:
+        await saver.acopy_thread(t, u)
+        await saver.adelete_thread(t)
+        rows = await saver._run(op_pending(100))
+    assert [(p.call.op, p.call.session_id, p.call.target_id) for p in rows] == [
+        ("copy", session_id_for(t), session_id_for(u)),
+        ("copy", session_id_for(t, "child"), session_id_for(u, "child")),
+        ("delete", session_id_for(t), None),
+        ("delete", session_id_for(t, "child"), None),
+    ]
