@@ -62,7 +62,6 @@ DEFAULT_MAX_BODY_BYTES = 2 << 20
 DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
 """vLLM's hermes parser with the arguments kept as generated (server/tool_parser.py)."""
 DEFAULT_TOOL_STRICT_LEVEL = "parameter"
-"""Accepted ``--tool-strict-level`` values (vLLM's ``ToolStrictLevel`` names)."""
 KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
 """Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from server.config import ServerConfig
 
 TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
-"""``--tool-strict-level`` choices."""
+"""Accepted ``--tool-strict-level`` values (vLLM's ``ToolStrictLevel`` names)."""
 
 _REPLICA_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
