@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from examples.managed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,12 +30,6 @@ ENGINE_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
     """One ``python -m server`` in its own process group; restarts keep port and folders."""
@@ -44,7 +39,7 @@ class Server:
     log_path: Path
     args: Sequence[str] = ENGINE_ARGS
     model: str = "tiny-llama"
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
