@@ -10,12 +10,20 @@ from test_tails import TReq, turn
 
 from server.kv.keys import parse_tail_key
 from server.kv.scheduler.continuations import Continuations, branch_blocks, shared_tokens
+from server.kv.scheduler.scheduler import SessionKVScheduler
 
 
 def _packed(tokens: list[int]) -> bytes:
     from array import array
 
     return array("I", tokens).tobytes()
+
+
+def session_keys(sched: SessionKVScheduler) -> list[str]:
+    """Session ``s``'s keys as the policy knows them once the registry caught up (the policy
+    learns them from the registry thread's events, applied at a later step)."""
+    sched.catch_up()
+    return sched.policy.keys_of("t", "s")
 
 
 def test_shared_tokens_counts_the_common_prefix() -> None:
@@ -32,7 +40,7 @@ def test_a_nested_stream_no_longer_takes_the_sessions_tail(tmp_path: Path) -> No
     main = prompt(1, 3, extra=3)
     turn(sched, TReq("r1", main, "s"))  # the agent's call: 3 blocks and a 2-token tail
     turn(sched, TReq("r2", prompt(2, 1, extra=2), "s"))  # a tool's own call, same thread
-    tails = [k for k in sched.policy.keys_of("t", "s") if parse_tail_key(k)]
+    tails = [k for k in session_keys(sched) if parse_tail_key(k)]
     assert len(tails) == 2  # both streams' tails are the session's
     nxt = TReq("r3", [*main, 5, 5, 5], "s")
     assert sched.get_num_new_matched_tokens(nxt, 0) == (len(main) - 1, False)
@@ -62,7 +70,7 @@ def test_a_rewind_inside_a_full_block_reuses_it_up_to_the_last_shared_token(
     sched.update_state_after_alloc(fork, ids, n)
     (job,) = sched.build_plan([("r2", ids, True, n)], {"r2": fork.num_tokens - n}).loads
     assert [i.block_id for i in job.items] == [200, 201, 202]
-    assert job.items[-1].key == sched.policy.keys_of("t", "s")[2] and job.items[-1].partial
+    assert job.items[-1].key == session_keys(sched)[2] and job.items[-1].partial
 
 
 def test_a_fork_reuses_part_of_a_tail_and_both_branches_stay(tmp_path: Path) -> None:
@@ -71,7 +79,7 @@ def test_a_fork_reuses_part_of_a_tail_and_both_branches_stay(tmp_path: Path) -> 
     turn(sched, TReq("r1", seq, "s"))
     branch = [*seq[: 2 * BS + 1], 9, 9]  # its own 2-token tail
     assert turn(sched, TReq("r2", branch, "s")).matched == 2 * BS + 1
-    tails = [k for k in sched.policy.keys_of("t", "s") if parse_tail_key(k)]
+    tails = [k for k in session_keys(sched) if parse_tail_key(k)]
     assert len(tails) == 2  # the fork's tail and the first branch's
     again = TReq("r3", [*seq[: 2 * BS + 3], 1, 1], "s")  # the first branch again
     assert sched.get_num_new_matched_tokens(again, 0) == (2 * BS + 3, False)
@@ -82,10 +90,10 @@ def test_an_extended_tail_is_dropped_and_branches_are_bounded(tmp_path: Path) ->
     seq = prompt(5, 2, extra=3)
     first = turn(sched, TReq("r1", seq, "s")).tail_plan.saves[0].key
     turn(sched, TReq("r2", [*seq, 4, 4, 4], "s"))
-    assert first not in sched.policy.keys_of("t", "s")  # this stream ran through it
+    assert first not in session_keys(sched)  # this stream ran through it
     for i in range(4):  # four other streams of two blocks and a tail each
         turn(sched, TReq(f"o{i}", prompt(10 + i, 2, extra=2), "s"))
-    keys = sched.policy.keys_of("t", "s")
+    keys = session_keys(sched)
     assert len(keys) == 3 + 3  # the last call's path, then three blocks of earlier ones
 
 

@@ -172,6 +172,7 @@ def test_next_turn_supersedes_the_tail_unless_another_session_lists_it(tmp_path:
     new = second.tail_plan.saves[0].key
     assert second.matched == 2 * BS + 2  # it loaded the old tail, then superseded it
     assert new != old and old not in sched.index.blocks and old in second.tail_plan.removes
+    sched.catch_up()  # the policy learns the session's keys from the registry thread
     assert sched.policy.keys_of("t", "s")[-1] == new
     # a fork lists the tail: the session's next turn keeps it
     seq2 = prompt(9, 2, extra=3)
