@@ -10,7 +10,8 @@ namespace of :func:`server.engine.build_vllm_args`, adds
 * our KV metrics on ``/metrics``,
 
 and wraps vLLM's lifespan with one that starts the engine, runs vLLM's ``init_app_state`` and
-opens :class:`server.kv.registry.control.SessionControl`. Nothing heavy happens before the lifespan
+opens :class:`server.kv.registry.control.SessionControl` and the child process that checks
+large bodies (:class:`server.api.body_check.BodyChecker`). Nothing heavy happens before the lifespan
 starts, so the app also runs in-process (``httpx.ASGITransport`` inside
 ``app.router.lifespan_context(app)``).
 """
@@ -29,6 +30,7 @@ from starlette.responses import Response
 
 from server.api.auth import KeyRing
 from server.api.body_budget import BodyBudget
+from server.api.body_check import BodyChecker
 from server.api.chat import SessionRequestMiddleware
 from server.api.metrics import SessionMetricsCollector
 from server.api.protocol import APIError, api_error_handler, error_response
@@ -91,6 +93,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             await _init_vllm_state(engine, app, args, tasks)
             control = _open_control(config, engine)
             app.state.generation_gate = _generation_gate(config, engine)
+            checker = BodyChecker(int(engine.vllm_config.model_config.max_model_len))
+            checker.start()
+            app.state.body_checker = checker
             app.state.lgkv_config = config
             app.state.session_control = control
             collector = _register_metrics(control)
@@ -100,6 +105,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                     yield
             finally:
                 watchdog.cancel()
+                checker.close()  # later large bodies: a worker thread
                 _unregister_metrics(collector)
                 if control is not None:
                     control.close()

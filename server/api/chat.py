@@ -6,9 +6,10 @@ every request, in this order and before any route runs:
 1. with API keys configured, a path that is not public needs a valid bearer key: 401 before the
    body is read (:class:`server.api.auth.KeyRing`);
 2. the body is capped (413 past ``max_body_bytes``), and a JSON body nesting deeper than
-   :data:`MAX_JSON_DEPTH` gets 400 (read from the bytes before any parse:
+   :data:`server.api.body_check.MAX_JSON_DEPTH` gets 400 (read from the bytes before any parse:
    :func:`server.api.json_body.nesting_depth`); bodies over :data:`INLINE_BODY_BYTES` are
-   checked and rewritten in a worker thread, one at a time, never on the event loop, and a key
+   checked and rewritten in a child process, off the server's GIL
+   (:mod:`server.api.body_check`), and a key
    may have one body over :data:`LARGE_BODY_BYTES` in flight (429 before the next is read)
    and, with several keys, send bodies over :data:`INLINE_BODY_BYTES` at
    ``--tenant-body-rate`` bytes per second (:mod:`server.api.body_budget`);
@@ -30,7 +31,6 @@ Routes that could reach the engine without this rewrite are not served at all
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -38,11 +38,10 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from langgraph_kvcache.contract import REPLICA_HEADER, XARG_SESSION
+from langgraph_kvcache.contract import REPLICA_HEADER
 from server.api.auth import KeyRing, is_preflight
 from server.api.body_budget import BodyBudget
-from server.api.generation_body import RESPONSES_PATH, check_responses_body, rewrite_body
-from server.api.json_body import nesting_depth
+from server.api.body_check import BodyChecker, check_body
 from server.api.protocol import APIError, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
 from server.kv.registry.api import RegistryUnavailable
@@ -54,8 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_JSON_DEPTH = 100
-"""Deepest nesting of arrays/objects accepted in a JSON body (deeper: HTTP 400)."""
 INLINE_BODY_BYTES = 64 << 10
 """Bodies up to this size are checked and rewritten on the event loop (well under a
 millisecond); larger ones in a worker thread."""
@@ -103,9 +100,10 @@ class SessionRequestMiddleware:
         """Tenants with a body over :data:`LARGE_BODY_BYTES` in flight."""
         self._held = 0
         """Refusals being held (:data:`REFUSAL_HOLD_S`)."""
-        self._large = asyncio.Semaphore(1)
-        """Bodies over :data:`INLINE_BODY_BYTES` are checked in a worker thread one at a
-        time, so the event loop gets the GIL back between two parses."""
+        self._checker = BodyChecker()
+        """Checks large bodies where the app has no child process (before its lifespan
+        started one, or after it ended): closed at once, so in a worker thread."""
+        self._checker.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -194,11 +192,18 @@ class SessionRequestMiddleware:
         """Read, check and rewrite the body (see the module doc), then serve the request."""
         try:
             body = await self._read(receive)
+            tenant = self.keys.tenant(headers)
+            is_json = "json" in headers.get("content-type", "") or path.startswith(SESSION_PREFIX)
+            checker = _body_checker(scope)
             if len(body) <= INLINE_BODY_BYTES:
-                body, session = self._check(body, path, headers)
-            else:  # off the event loop, one at a time (a parse holds the GIL throughout)
-                async with self._large:
-                    body, session = await asyncio.to_thread(self._check, body, path, headers)
+                limit = checker.max_prompt_tokens if checker is not None else None
+                body, sid = check_body(body, path, is_json, tenant, salted=self.keys.enabled,
+                                       max_prompt_tokens=limit)  # fmt: skip
+            else:  # off the server's GIL (server.api.body_check)
+                checker = checker or self._checker
+                body, sid = await checker.check(body, path, is_json, tenant,
+                                                salted=self.keys.enabled)  # fmt: skip
+            session = (tenant, sid) if sid is not None else None
         except _TooLarge:
             await self._too_large(scope, receive, send)
             return
@@ -246,36 +251,6 @@ class SessionRequestMiddleware:
             await self.app(scope, _replay(body, receive), _status_of(send, status))
         finally:  # the session API waits for this turn's record (server.kv.registry.turn_watch)
             turns.finished(*session, started, ok=status[0] == 200)
-
-    def _check(
-        self, body: bytes, path: str, headers: Headers
-    ) -> tuple[bytes, tuple[str, str] | None]:
-        """Bound the JSON nesting of ``body``; rewrite it on the generation routes. Returns the
-        body and the (tenant, session id) a generation names (else None)."""
-        generation = path in GENERATION_PATHS
-        is_json = "json" in headers.get("content-type", "") or path.startswith(SESSION_PREFIX)
-        if not body.strip() or not (generation or is_json):
-            return body, None
-        if nesting_depth(body) > MAX_JSON_DEPTH:  # from the bytes, before any parse
-            raise APIError(
-                400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels; flatten it"
-            )
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            if generation:
-                raise APIError(400, "the request body is not valid JSON") from None
-            return body, None  # the route answers with its own message
-        if not generation:
-            return body, None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        if path == RESPONSES_PATH:
-            check_responses_body(data)
-        tenant = self.keys.tenant(headers)
-        out = rewrite_body(data, tenant, salted=self.keys.enabled)
-        sid = out["vllm_xargs"].get(XARG_SESSION)
-        return json.dumps(out).encode(), (tenant, str(sid)) if sid is not None else None
 
     async def _read(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -336,6 +311,12 @@ def _generation_gate(scope: Scope) -> GenerationGate | None:
     """The per-tenant share of vLLM's batch (None: no bound; see :mod:`.fair_share`)."""
     state = getattr(scope.get("app"), "state", None)
     return getattr(state, "generation_gate", None)
+
+
+def _body_checker(scope: Scope) -> BodyChecker | None:
+    """The app's large-body checker (started with the engine; None before)."""
+    state = getattr(scope.get("app"), "state", None)
+    return getattr(state, "body_checker", None)
 
 
 def _session_control(scope: Scope) -> SessionControl | None:

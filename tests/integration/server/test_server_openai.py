@@ -196,6 +196,15 @@ def test_prompt_longer_than_context_is_400(lgkv_server: ServerProcess) -> None:
     r = _chat(lgkv_server, [{"role": "user", "content": "word " * 3000}])
     assert r.status_code == 400
     assert "maximum context length" in r.json()["error"]["message"]
+    # 140 kB of token ids: checked in the body process (server.api.body_check), refused there
+    ids = {"model": lgkv_server.model, "prompt": [12345] * 20_000, "max_tokens": 1}
+    with lgkv_server.client() as c:
+        r = c.post("/v1/completions", json=ids)
+        assert r.status_code == 400, r.text
+        assert "your prompt contains 20000 input tokens" in r.json()["error"]["message"]
+        ids["prompt"] = [12345] * 20
+        assert c.post("/v1/completions", json=ids).status_code == 200
+    assert "body check process failed" not in lgkv_server.log_path.read_text(errors="replace")
 
 
 def test_oversize_body_is_413(lgkv_server: ServerProcess) -> None:

@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from server.api.auth import KeyRing, tenant_of_key
-from server.api.chat import MAX_JSON_DEPTH, SessionRequestMiddleware
+from server.api.body_check import MAX_JSON_DEPTH
+from server.api.chat import SessionRequestMiddleware
 from server.api.generation_body import rewrite_body
 from server.api.json_body import nesting_depth
 from server.api.protocol import APIError
