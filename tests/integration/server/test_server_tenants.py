@@ -4,7 +4,6 @@ no route lets one tenant read or replace another tenant's KV or sessions."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,18 @@ import pytest
 
 from server.api.routes import GENERATION_PATHS, is_served
 from tests.integration.conftest import wait_until
+from tests.integration.server.tenant_requests import (
+    ALICE,
+    BOB,
+    KEYED_FLAGS,
+    PROMPT,
+    VLLM_GENERATION_ROUTES,
+    cached,
+    chat_body,
+    concrete,
+    own_only,
+    route_table,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -22,52 +33,15 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.vllm
 
-ALICE = {"Authorization": "Bearer key-alice"}
-BOB = {"Authorization": "Bearer key-bob"}
-PROMPT = "Tenant test. " + " ".join(f"Line {i} of a long private prefix." for i in range(60))
-# Generation routes vLLM 0.32 serves besides the three rewritten ones; each must be refused.
-VLLM_GENERATION_ROUTES = (
-    "/v1/responses/{response_id}",
-    "/v1/messages",
-    "/v1/chat/completions/batch",
-    "/invocations",
-    "/generative_scoring",
-    "/inference/v1/generate",
-)
-
 
 @pytest.fixture(scope="module")
 def keyed(start_server: ServerFactory) -> ServerProcess:
-    return start_server(
-        "--api-key", "key-alice", "--api-key", "key-bob",  # both kept
-        "--kv-ram-bytes", "8MiB", "--kv-disk-bytes", "32MiB",  # 64 RAM slots, 240 files
-        "--tenant-pin-share", "0.1", "--tenant-max-sessions", "40",
-        "--tenant-max-unleased-pins", "2", "--max-pin-lease", "3600",
-        "--tenant-body-rate", "256KiB",  # a second large body waits seconds
-        "--max-model-len", "4096",  # alice's long streams (test_one_key_cannot_fill_the_batch)
-    )  # fmt: skip
+    return start_server(*KEYED_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def vllm_route_table(server_model_dir: Path) -> list[tuple[str, str]]:
-    """(method, path) of every route vLLM's own app declares for this server's settings."""
-    from vllm.entrypoints.launchers.app import build_app
-
-    from server.config import ServerConfig
-    from server.engine import build_vllm_args
-
-    args = build_vllm_args(ServerConfig(model=str(server_model_dir), api_keys=("k",)))
-    app = build_app(args, supported_tasks=("generate",), model_config=None)
-    out = []
-    for route in app.routes:
-        for method in sorted(getattr(route, "methods", None) or {"GET"}):
-            if method != "HEAD":
-                out.append((method, route.path))
-    return out
-
-
-def _concrete(path: str) -> str:
-    return re.sub(r"\{[^}]+\}", "x", path)
+    return route_table(server_model_dir)
 
 
 def test_every_vllm_route_needs_a_key_or_is_refused(
@@ -78,7 +52,7 @@ def test_every_vllm_route_needs_a_key_or_is_refused(
         assert path in {p for _, p in vllm_route_table}, f"vLLM no longer serves {path}?"
     with keyed.client() as c:
         for method, path in vllm_route_table:
-            url = _concrete(path)
+            url = concrete(path)
             bare = c.request(method, url, content=b"{not json")
             if path == "/health":
                 assert bare.status_code == 200
@@ -96,38 +70,13 @@ def test_every_vllm_route_needs_a_key_or_is_refused(
         assert not is_served(path)
 
 
-def _chat_body(model: str, **extra: object) -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
-            **extra}  # fmt: skip
-
-
-BLOCK = 128
-"""Tokens per block on CPU. A key's request may read a block of its own up to its last shared
-token (server/kv/scheduler/continuations.py): the chat template and the first words its
-earlier prompts share, less than a block here, since no two prompts of a test share a first
-block. Another key's KV would show as whole blocks: the prompts below are 600 tokens that the
-other key has cached (>= 256 read back)."""
-
-
-def _own_only(cached: int) -> bool:
-    """No block of another key's: less than one block read (only the key's own prefix)."""
-    return cached < BLOCK
-
-
-def _cached(r: httpx.Response) -> int:
-    assert r.status_code == 200, r.text
-    usage = r.json()["usage"]
-    details = usage.get("prompt_tokens_details") or usage["input_tokens_details"]  # responses
-    return int(details["cached_tokens"])
-
-
 def test_no_route_reads_or_replaces_another_tenants_kv(keyed: ServerProcess) -> None:
     with keyed.client() as c:
         model = keyed.model
-        first = c.post("/v1/chat/completions", json=_chat_body(model, session_id="vault"),
+        first = c.post("/v1/chat/completions", json=chat_body(model, session_id="vault"),
                        headers=ALICE)  # fmt: skip
-        assert _own_only(_cached(first))
-        assert _cached(c.post("/v1/chat/completions", json=_chat_body(model, session_id="vault"),
+        assert own_only(cached(first))
+        assert cached(c.post("/v1/chat/completions", json=chat_body(model, session_id="vault"),
                               headers=ALICE)) >= 256  # fmt: skip
         alice_session = c.get("/v1/sessions/vault", headers=ALICE).json()
         tenant = alice_session["tenant"]
@@ -151,12 +100,12 @@ def test_no_route_reads_or_replaces_another_tenants_kv(keyed: ServerProcess) -> 
                         "max_output_tokens": 2}  # fmt: skip
             for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion),
                                ("/v1/responses", response)):  # fmt: skip
-                assert _own_only(_cached(c.post(path, json=body, headers=ALICE)))
-                assert _cached(c.post(path, json=body, headers=ALICE)) >= 256  # hers, cached
-                bob = _cached(c.post(path, json={**body, **extra}, headers=BOB))
-                assert _own_only(bob), (bob, extra)
+                assert own_only(cached(c.post(path, json=body, headers=ALICE)))
+                assert cached(c.post(path, json=body, headers=ALICE)) >= 256  # hers, cached
+                bob = cached(c.post(path, json={**body, **extra}, headers=BOB))
+                assert own_only(bob), (bob, extra)
         for path in VLLM_GENERATION_ROUTES:
-            body = {**_chat_body(model), "input": PROMPT, "cache_salt": f"lgkv-{tenant}",
+            body = {**chat_body(model), "input": PROMPT, "cache_salt": f"lgkv-{tenant}",
                     "vllm_xargs": {"tenant": tenant, "session_id": "vault"}}  # fmt: skip
             r = c.post(path, json=body, headers=BOB)
             assert r.status_code == 404, (path, r.text)
@@ -198,7 +147,7 @@ def test_tenants_are_isolated(keyed: ServerProcess) -> None:
 
         # Same text, other tenant: its own salt, so none of alice's blocks are reused.
         theirs = c.post("/v1/completions", json=body, headers=BOB).json()
-        assert _own_only(theirs["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert own_only(theirs["usage"]["prompt_tokens_details"]["cached_tokens"])
         bob_session = c.get("/v1/sessions/same-name", headers=BOB).json()
         assert bob_session["tenant"] != mine["tenant"]
 
@@ -231,7 +180,7 @@ def test_server_only_xargs_are_refused(keyed: ServerProcess) -> None:
     recorded) and ``vllm_xargs.kv_transfer_params`` gave a 500."""
     with keyed.client() as c:
         for owned, value in (("lgkv_op", "sync"), ("kv_transfer_params", "x")):
-            body = {**_chat_body(keyed.model, session_id="xargs"), "vllm_xargs": {owned: value}}
+            body = {**chat_body(keyed.model, session_id="xargs"), "vllm_xargs": {owned: value}}
             r = c.post("/v1/chat/completions", json=body, headers=ALICE)
             assert r.status_code == 400, r.text
             assert f"vllm_xargs.{owned}" in r.json()["error"]["message"]
@@ -246,7 +195,7 @@ def test_quotas_keep_room_for_other_tenants(keyed: ServerProcess) -> None:
     with keyed.client() as c:
         model = keyed.model
         for i in range(4):
-            hog = _chat_body(model, session_id=f"hog-{i}")
+            hog = chat_body(model, session_id=f"hog-{i}")
             hog["messages"] = [{"role": "user", "content": f"Hog {i}. {PROMPT}"}]
             assert c.post("/v1/chat/completions", json=hog, headers=ALICE).status_code == 200
         blocks = c.get("/v1/sessions/hog-0", headers=ALICE).json()["num_blocks"]
@@ -269,10 +218,10 @@ def test_quotas_keep_room_for_other_tenants(keyed: ServerProcess) -> None:
         assert again.status_code == 200, again.text
         assert c.post("/v1/sessions/hog-0/pin", json=lease, headers=ALICE).status_code == 200
 
-        bob = _chat_body(model, session_id="bob-works")
+        bob = chat_body(model, session_id="bob-works")
         bob["messages"] = [{"role": "user", "content": f"Bob's own work. {PROMPT}"}]
-        assert _own_only(_cached(c.post("/v1/chat/completions", json=bob, headers=BOB)))
-        assert _cached(c.post("/v1/chat/completions", json=bob, headers=BOB)) >= 256
+        assert own_only(cached(c.post("/v1/chat/completions", json=bob, headers=BOB)))
+        assert cached(c.post("/v1/chat/completions", json=bob, headers=BOB)) >= 256
         tiers: dict = {}
         for _ in range(50):  # the engine publishes block locations moments after the turn
             tiers = c.get("/v1/sessions/bob-works", headers=BOB).json()["tiers"]
@@ -290,10 +239,10 @@ def test_quotas_keep_room_for_other_tenants(keyed: ServerProcess) -> None:
             created += 1
         assert refused is not None and refused.status_code == 429, created
         assert "--tenant-max-sessions" in refused.json()["error"]["message"]
-        new = c.post("/v1/chat/completions", json=_chat_body(model, session_id="one-more"),
+        new = c.post("/v1/chat/completions", json=chat_body(model, session_id="one-more"),
                      headers=ALICE)  # fmt: skip
         assert new.status_code == 429, new.text
-        old = c.post("/v1/chat/completions", json=_chat_body(model, session_id="hog-3"),
+        old = c.post("/v1/chat/completions", json=chat_body(model, session_id="hog-3"),
                      headers=ALICE)  # fmt: skip
         assert old.status_code == 200, old.text  # an existing session goes on
         copy = c.post("/v1/sessions/hog-3/copy", json={"target_id": "hog-copy"}, headers=ALICE)
@@ -423,13 +372,13 @@ def test_the_responses_api_is_served_with_the_same_tenancy(keyed: ServerProcess)
         assert r.status_code == 200, r.text
         return int(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
 
-    assert _own_only(cached(respond(ALICE)))
+    assert own_only(cached(respond(ALICE)))
     assert cached(respond(ALICE)) >= 256  # the session's KV, as for chat
     with keyed.client() as c:
         wait_until(lambda: c.get("/v1/sessions/resp-s", headers=ALICE).status_code == 200,
                    "alice's responses session")  # fmt: skip
         assert c.get("/v1/sessions/resp-s", headers=BOB).status_code == 404
-    assert _own_only(cached(respond(BOB)))  # same text and session name, another tenant
+    assert own_only(cached(respond(BOB)))  # same text and session name, another tenant
     for field, value in (("previous_response_id", "resp_123"), ("background", True)):
         refused = respond(ALICE, **{field: value})
         assert refused.status_code == 400 and field in refused.json()["error"]["message"]
