@@ -16,7 +16,8 @@ unpin). It does so with tenant A idle, then while tenant A:
 Printed per phase: B's TTFT p50/p99 and its session API p50/p99, each with its ratio to the
 idle phase (the goal is at most 1.5x), what A got done meanwhile (answers by status), and the
 server's OpenMP core list (``VLLM_CPU_NUM_OF_RESERVED_CPU`` set, as every benchmark here).
-Tenant A's loads are in ``benchmarks/tenant_a.py``.
+Tenant A's loads are in ``benchmarks/tenant_a.py``; they run in a process of their own, as
+another client's would (B's figures then never include waiting for A's threads' GIL).
 
     python benchmarks/tenants.py                   # tiny random Llama, about 4 minutes on 2 cores
     python benchmarks/tenants.py --quick           # about 2 minutes
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import threading
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -159,21 +162,40 @@ def run_phase(
     load: Load | None = None,
     warmup_s: float = 2.0,
 ) -> Phase:
+    """Tenant A's load in a process of its own (another client, as a real other tenant is:
+    A's streaming threads in B's process made B wait for their GIL, up to seconds with one core
+    left to the clients and the API server), B's probe here."""
     load = load or Load()
-    stop = threading.Event()
-    thread = None
+    stop = multiprocessing.get_context("fork").Event()
+    results, sent = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = None
     if a_load is not None:
-        thread = threading.Thread(target=a_load, args=(stop, load), daemon=True)
-        thread.start()
+        child = multiprocessing.get_context("fork").Process(
+            target=_tenant_a, args=(a_load, stop, sent), daemon=True
+        )
+        child.start()
         time.sleep(warmup_s)  # A's load is running before B measures
     say(f"phase {name}: tenant B measuring")
     try:
         figures = probe()
     finally:
         stop.set()
-        if thread is not None:
-            thread.join(timeout=90)
+        if child is not None:
+            if results.poll(120):
+                statuses, note, sample = results.recv()
+                load.statuses.update(statuses)
+                load.note = load.note or note
+                load.sample = load.sample or sample
+            child.join(timeout=30)
     return Phase(name, load, figures)
+
+
+def _tenant_a(a_load: Callable[[threading.Event, Load], None], stop: Any, results: Any) -> None:
+    """In A's process: run the load until ``stop``, then send back what A got."""
+    load, done = Load(), threading.Event()
+    threading.Thread(target=lambda: (stop.wait(), done.set()), daemon=True).start()
+    a_load(done, load)
+    results.send((dict(load.statuses), load.note, load.sample))
 
 
 def table(phases: list[Phase]) -> list[str]:
