@@ -22,6 +22,7 @@ another client's would (B's figures then never include waiting for A's threads' 
     python benchmarks/tenants.py                   # tiny random Llama, about 4 minutes on 2 cores
     python benchmarks/tenants.py --quick           # about 2 minutes
     python benchmarks/tenants.py --model smollm2   # SmolLM2-135M-Instruct (slower)
+    python benchmarks/tenants.py --plain           # then idle and (c) on plain vLLM too
 """
 
 from __future__ import annotations
@@ -80,15 +81,20 @@ def quantile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- tenant B
 
 
-def b_probe(url: str, model: str, phase: str, turns: int, max_tokens: int) -> Figures:
-    """Tenant B's conversation and session API calls; returns what it measured."""
+def b_probe(
+    url: str, model: str, phase: str, turns: int, max_tokens: int, *, session_api: bool = True
+) -> Figures:
+    """Tenant B's conversation and (with ``session_api``) session API calls; returns what it
+    measured."""
     out = Figures()
     chat_sid, api_sid = f"b-chat-{phase}", f"b-api-{phase}"
     opening = " ".join(f"Fact {i}: tenant B keeps notes about harbours." for i in range(30))
     messages = [{"role": "user", "content": f"{opening} Summarise the notes."}]
     with client(url, KEY_B) as c:
-        created = c.post("/v1/sessions", json={"id": api_sid, "ttl_seconds": 3600})
-        if created.status_code not in (201, 409):
+        created = c.post("/v1/sessions", json={"id": api_sid, "ttl_seconds": 3600}) if (
+            session_api
+        ) else None  # fmt: skip
+        if created is not None and created.status_code not in (201, 409):
             out.errors.append(f"create {api_sid}: HTTP {created.status_code}")
         for t in range(turns):
             try:
@@ -102,10 +108,14 @@ def b_probe(url: str, model: str, phase: str, turns: int, max_tokens: int) -> Fi
                 {"role": "user", "content": f"Turn {t + 2}: one more detail, please."},
             ]
             for method, path, body in (
-                ("GET", f"/v1/sessions/{api_sid}", None),
-                ("PATCH", f"/v1/sessions/{api_sid}", {"ttl_seconds": 3600 + t}),
-                ("POST", f"/v1/sessions/{api_sid}/pin", {"pin_ttl_seconds": 60}),
-                ("POST", f"/v1/sessions/{api_sid}/unpin", None),
+                ()
+                if not session_api
+                else (
+                    ("GET", f"/v1/sessions/{api_sid}", None),
+                    ("PATCH", f"/v1/sessions/{api_sid}", {"ttl_seconds": 3600 + t}),
+                    ("POST", f"/v1/sessions/{api_sid}/pin", {"pin_ttl_seconds": 60}),
+                    ("POST", f"/v1/sessions/{api_sid}/unpin", None),
+                )
             ):
                 start = time.perf_counter()
                 try:
@@ -115,7 +125,8 @@ def b_probe(url: str, model: str, phase: str, turns: int, max_tokens: int) -> Fi
                         out.errors.append(f"{method} {path}: HTTP {r.status_code} {r.text[:80]}")
                 except httpx.HTTPError as exc:
                     out.errors.append(f"{method} {path}: {exc!r}"[:200])
-        c.delete(f"/v1/sessions/{api_sid}")
+        if session_api:
+            c.delete(f"/v1/sessions/{api_sid}")
     return out
 
 
@@ -201,8 +212,8 @@ def _tenant_a(a_load: Callable[[threading.Event, Load], None], stop: Any, result
 def table(phases: list[Phase]) -> list[str]:
     idle = phases[0].figures
     base = {
-        "ttft": (quantile(idle.ttft, 0.5), quantile(idle.ttft, 0.99)),
-        "api": (quantile(idle.api, 0.5), quantile(idle.api, 0.99)),
+        kind: (quantile(v, 0.5), quantile(v, 0.99)) if v else (1.0, 1.0)
+        for kind, v in (("ttft", idle.ttft), ("api", idle.api))
     }
     lines = [
         "| tenant A | B TTFT p50 / p99 (ms) | x idle | B session API p50 / p99 (ms) | x idle "
@@ -236,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--reserved-cpus", type=int, default=0,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU of the server")  # fmt: skip
+    ap.add_argument("--plain", action="store_true",
+                    help="then phases idle and (c) on plain vLLM with prefix caching (same model, "
+                         "resident KV, limits and cores; B's TTFT only)")  # fmt: skip
     args = ap.parse_args(argv)
     turns = args.turns or (8 if args.quick else 24)
     gen_tokens = args.gen_tokens or (256 if args.quick else 768)
@@ -302,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quick:
             phases.append(run_phase("idle, again", probe("idle2"), None))
         cores = server.omp_cores()
+    plain: list[Phase] = []
+    if args.plain:
+        plain = plain_phases(model_dir, flags[4 + len(tiers) :], env, turns, args, gen_tokens)
     print()
     print(f"model {args.model}, {turns} B turns per phase ({args.max_tokens} tokens each), "
           f"4 session API calls after each; wall {time.perf_counter() - started:.0f}s")  # fmt: skip
@@ -314,7 +331,43 @@ def main(argv: list[str] | None = None) -> int:
         for err in p.figures.errors[:3]:
             print(f"  B error in {p.name}: {err}")
     print(f"server: VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}; {cores}")
+    if plain:
+        print("\nplain vLLM (prefix caching on, one key, no session API), same flags otherwise:")
+        for line in table(plain):
+            print(line)
+        for p in plain[1:]:
+            print(f"tenant A during {p.name}: {p.load.summary()}")
     return 0
+
+
+def plain_phases(
+    model_dir: Path, flags: list[str], env: dict[str, str], turns: int, args: Any, gen: int
+) -> list[Phase]:
+    """Idle and phase (c) against plain vLLM: what a user would run instead. Every key may
+    fill the batch there (no --tenant-generation-share)."""
+    from examples.server_process import PlainVllmProcess
+
+    flags = [f.removesuffix("iB") if f.endswith("MiB") else f for f in flags]  # vLLM: "128M"
+    with PlainVllmProcess(flags=flags, model=model_dir, progress=say, env=env) as server:
+        url = server.url
+        with client(url, KEY_B) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+
+        def probe(phase: str) -> Callable[[], Figures]:
+            return lambda: b_probe(url, model, phase, turns, args.max_tokens, session_api=False)
+
+        b_probe(url, model, "warmup", 2, args.max_tokens, session_api=False)
+        phases = [run_phase("idle", probe("idle"), None)]
+        for streams, label in ((MAX_NUM_SEQS, "full batch"), (MAX_NUM_SEQS - 1, "batch - 1")):
+            phases.append(
+                run_phase(
+                    f"(c) long generations, {label}",
+                    probe(f"gen{streams}"),
+                    lambda stop, load, s=streams: long_generations(url, model, stop, load, s, gen),
+                )
+            )
+        say(f"plain vLLM cores: {server.omp_cores()}")
+    return phases
 
 
 if __name__ == "__main__":
