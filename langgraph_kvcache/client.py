@@ -16,7 +16,8 @@ Errors form one hierarchy under :class:`KVCacheClientError`:
   :class:`AuthenticationError` (HTTP 401: a missing or wrong API key) and every other
   error answer (:class:`SessionAPIError`, carrying the server's message and status code);
 - :class:`ServerUnavailableError`: the server could not be reached, timed out, or answered
-  502/503/504.
+  502/503/504; :class:`RateLimitedError` (one of them): HTTP 429 with ``Retry-After``, the
+  key's session API rate.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from langgraph_kvcache.contract import Unset as _Unset
 from langgraph_kvcache.errors import (
     AuthenticationError,
     KVCacheClientError,
+    RateLimitedError,
     ServerUnavailableError,
     SessionAPIError,
     SessionExistsError,
@@ -64,6 +66,7 @@ __all__ = [
     "KVCacheClient",
     "KVCacheClientError",
     "PrefetchResult",
+    "RateLimitedError",
     "ServerUnavailableError",
     "Session",
     "SessionAPIError",

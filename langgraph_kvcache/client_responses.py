@@ -54,6 +54,11 @@ def error_from(response: httpx.Response) -> errors.KVCacheClientError:
         return errors.ServerUnavailableError(
             f"{response.request.url} answered HTTP {status}: {message}{hint}"
         )
+    retry_after = response.headers.get("Retry-After", "")
+    if status == 429 and retry_after.isdigit():  # a rate, not a quota: the call may succeed later
+        return errors.RateLimitedError(
+            f"{response.request.url} answered HTTP 429: {message}", float(retry_after)
+        )
     if status == 401:
         message = (
             f"{message}. The server at {response.request.url.copy_with(path='/', query=None)} "

@@ -85,6 +85,16 @@ class ServerUnavailableError(KVCacheClientError, ConnectionError):
     """The server could not be reached, timed out, or answered 502/503/504."""
 
 
+class RateLimitedError(ServerUnavailableError):
+    """HTTP 429 with ``Retry-After``: the key made more session API calls than the server
+    accepts for now (``--tenant-session-rate``); retry after :attr:`retry_after_s`. A
+    :class:`ServerUnavailableError`, so the checkpointer keeps the call in its outbox."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 # ----------------------------------------------------------------------------- chat model
 class ToolCallCutError(KVCacheError, ValueError):
     """A forced tool call (``tool_choice`` ``"required"`` or a tool's name) ended at

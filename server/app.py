@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from server.api.auth import KeyRing
-from server.api.body_budget import BodyBudget
+from server.api.body_budget import BodyBudget, CallBudget
 from server.api.body_check import BodyChecker
 from server.api.chat import SessionRequestMiddleware
 from server.api.metrics import SessionMetricsCollector
@@ -79,6 +79,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         keys=keys,
         replica=config.replica_name,
         body_budget=_body_budget(config),
+        call_budget=_call_budget(config),
     )
     vllm_lifespan = app.router.lifespan_context
 
@@ -150,6 +151,14 @@ def _body_budget(config: ServerConfig) -> BodyBudget | None:
     if len(config.api_keys) < 2 or config.tenant_body_rate <= 0:
         return None
     return BodyBudget(config.tenant_body_rate, config.max_body_bytes)
+
+
+def _call_budget(config: ServerConfig) -> CallBudget | None:
+    """With several keys, each key's session API calls per second; None with one tenant or
+    ``--tenant-session-rate 0``."""
+    if len(config.api_keys) < 2 or config.tenant_session_rate <= 0:
+        return None
+    return CallBudget(config.tenant_session_rate)
 
 
 def _generation_gate(config: ServerConfig, engine: Any) -> Any:

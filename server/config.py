@@ -33,6 +33,7 @@ from server.options import (
     parse_keys,
     parse_lower,
     parse_path,
+    parse_rate,
     parse_seconds,
     parse_share,
     parse_size,
@@ -145,6 +146,14 @@ class ServerConfig:
     """With several keys: the share (0..1] of vLLM's batch (``--max-num-seqs``) one key's
     generations may fill at once; its further generations wait in the API process (in order;
     429 past ten times as many), so other keys always find room. 1 turns it off."""
+
+    tenant_session_rate: float = setting(
+        50.0, flag="--tenant-session-rate", env="LGKV_TENANT_SESSION_RATE", parse=parse_rate,
+        help="session API calls per second one key may make",
+    )  # fmt: skip
+    """With several keys: session API calls per second one key may make (bursts of twice
+    that); past it 429 with ``Retry-After``. Each call costs the API process about 1 ms of CPU
+    on the cores its engine uses. 0 turns it off."""
 
     tenant_body_rate: int = setting(
         4 << 20, flag="--tenant-body-rate", env="LGKV_TENANT_BODY_RATE", parse=parse_size,

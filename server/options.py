@@ -94,6 +94,17 @@ def parse_int(value: str, *, name: str) -> int:
         raise ConfigError(f"{name}: expected an integer, got {value!r}") from exc
 
 
+def parse_rate(value: str | float, *, name: str) -> float:
+    """Parse a rate per second: a finite number >= 0 (0: no limit)."""
+    try:
+        rate = float(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: expected a number per second, got {value!r}") from exc
+    if not math.isfinite(rate) or rate < 0:
+        raise ConfigError(f"{name}: a rate must be a finite number >= 0, got {value!r}")
+    return rate
+
+
 def parse_share(value: str | float, *, name: str) -> float:
     """Parse a share of a whole: a number in ``0..1`` (``0.25``), or a percentage (``25%``)."""
     text = str(value).strip()

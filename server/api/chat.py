@@ -12,7 +12,8 @@ every request, in this order and before any route runs:
    (:mod:`server.api.body_check`), and a key
    may have one body over :data:`LARGE_BODY_BYTES` in flight (429 before the next is read)
    and, with several keys, send bodies over :data:`INLINE_BODY_BYTES` at
-   ``--tenant-body-rate`` bytes per second (:mod:`server.api.body_budget`);
+   ``--tenant-body-rate`` bytes per second and make ``--tenant-session-rate`` session API
+   calls per second (:mod:`server.api.body_budget`);
    with several keys, each key's generations fill at most its share of vLLM's batch
    (:mod:`server.api.fair_share`);
 3. the JSON body of the generation routes (:data:`server.api.routes.GENERATION_PATHS`) is
@@ -40,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from langgraph_kvcache.contract import REPLICA_HEADER
 from server.api.auth import KeyRing, is_preflight
-from server.api.body_budget import BodyBudget
+from server.api.body_budget import BodyBudget, CallBudget
 from server.api.body_check import BodyChecker, check_body
 from server.api.protocol import APIError, error_response
 from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
@@ -89,11 +90,14 @@ class SessionRequestMiddleware:
         keys: KeyRing,
         replica: str = "",
         body_budget: BodyBudget | None = None,
+        call_budget: CallBudget | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keys = keys
         self.body_budget = body_budget
+        self.call_budget = call_budget
+        """Session API calls per key per second (several keys only), or None."""
         """Large-body bytes per key per second (several keys only), or None."""
         self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
         self._large_by_key: set[str] = set()
@@ -123,6 +127,16 @@ class SessionRequestMiddleware:
         if method == "OPTIONS" and not is_preflight(headers):
             await _options(scope, receive, send)  # CORS preflights go on to vLLM's CORS layer
             return
+        if (
+            self.call_budget is not None
+            and method != "OPTIONS"
+            and (path == SESSION_PREFIX or path.startswith(SESSION_PREFIX + "/"))
+        ):
+            wait_s = self.call_budget.take(self.keys.tenant(headers), 1)
+            if wait_s > 0:  # past --tenant-session-rate: 429, held (see REFUSAL_HOLD_S)
+                msg, retry = self.call_budget.refusal(wait_s)
+                await self._refuse(scope, receive, send, msg, retry, min(wait_s, REFUSAL_HOLD_S))
+                return
         if scope["type"] != "http" or method in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return

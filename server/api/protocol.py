@@ -36,11 +36,15 @@ _TYPES = {
 class APIError(Exception):
     """An HTTP error with a message that tells the client what to change."""
 
-    def __init__(self, status: int, message: str, type_: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_ or _TYPES.get(status, "server_error")
+        self.retry_after = retry_after
+        """Seconds for a ``Retry-After`` header (a refusal that passes with time), or None."""
 
 
 def error_body(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
@@ -62,7 +66,10 @@ def error_response(status: int, message: str, type_: str | None = None) -> JSONR
 async def api_error_handler(_request: Request, exc: Exception) -> JSONResponse:
     """FastAPI exception handler for :class:`APIError`."""
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.type)
+    response = error_response(exc.status, exc.message, exc.type)
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 SESSION_ID_SCHEMA: dict[str, Any] = {

@@ -85,6 +85,7 @@ class TenantGate:
                 429,
                 f"this key has {held} session API calls in flight, the most the server "
                 f"allows (--session-calls-per-key); wait for them and retry",
+                retry_after=1,
             )
         self._in_flight[tenant] = held + 1
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import httpx
 import pytest
 
 from langgraph_kvcache import AsyncKVCacheClient, KVCacheClient
@@ -308,3 +309,20 @@ async def test_async_connection_refused() -> None:
     async with AsyncKVCacheClient(f"http://127.0.0.1:{free_port()}") as kv:
         with pytest.raises(ServerUnavailableError, match="Cannot reach"):
             await kv.get_session("t1")
+
+
+def test_a_rate_refusal_is_unavailable_for_now_and_a_quota_is_not() -> None:
+    """429 with Retry-After (the key's --tenant-session-rate, or its calls in flight) passes
+    with time: a ServerUnavailableError, so the checkpointer keeps the call in its outbox
+    instead of dropping it; a quota's 429 (no Retry-After) stays a SessionAPIError."""
+    from langgraph_kvcache.client import RateLimitedError
+    from langgraph_kvcache.client_responses import error_from
+
+    req = httpx.Request("DELETE", "http://kv/v1/sessions/t1")
+    msg = "this key made more session API calls than the server accepts"
+    rate = error_from(httpx.Response(429, json=error_json(msg, 429), headers={"Retry-After": "2"},
+                                     request=req))  # fmt: skip
+    assert isinstance(rate, RateLimitedError) and isinstance(rate, ServerUnavailableError)
+    assert rate.retry_after_s == 2.0 and msg in str(rate)
+    quota = error_from(httpx.Response(429, json=error_json("past the quota", 429), request=req))
+    assert type(quota) is SessionAPIError and quota.status_code == 429

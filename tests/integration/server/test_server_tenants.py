@@ -401,3 +401,19 @@ def test_large_bodies_pass_at_the_keys_body_rate(keyed: ServerProcess) -> None:
         assert c.post("/v1/completions", content=big, headers=bob).status_code != 429
         small = {"model": keyed.model, "prompt": "Hello", "max_tokens": 1}
         assert c.post("/v1/completions", json=small, headers=ALICE).status_code == 200
+
+
+def test_a_key_past_its_session_rate_gets_429_and_the_other_key_goes_on(
+    keyed: ServerProcess,
+) -> None:
+    """One key renewing pins as fast as it could took most of a core from the engine beside it
+    (benchmarks/tenants.py (b)): past --tenant-session-rate (50 a second, bursts of 100) a
+    key's calls get 429 with Retry-After, held up to a second; the other key goes on."""
+    with keyed.client() as c:
+        assert c.post("/v1/sessions", json={"id": "rate-a"}, headers=ALICE).status_code == 201
+        answers = [c.get("/v1/sessions/rate-a", headers=ALICE) for _ in range(160)]
+        refused = [r for r in answers if r.status_code == 429]
+        assert refused and all(r.status_code in (200, 429) for r in answers)
+        assert "--tenant-session-rate" in refused[0].json()["error"]["message"]
+        assert int(refused[0].headers["Retry-After"]) >= 1
+        assert c.get("/v1/sessions", headers=BOB).status_code == 200

@@ -285,6 +285,18 @@ def test_body_budget_refills_at_its_rate_and_holds_one_largest_body() -> None:
     assert retry == 3 and "--tenant-body-rate" in msg
 
 
+def test_call_budget_allows_bursts_of_two_seconds_then_its_rate() -> None:
+    from server.api.body_budget import CallBudget
+
+    calls = CallBudget(10.0)
+    assert all(calls.take("a", 1, now=0.0) == 0.0 for _ in range(20))  # two seconds' worth
+    assert calls.take("a", 1, now=0.0) == pytest.approx(0.1)
+    assert calls.take("b", 1, now=0.0) == 0.0  # another key's own bucket
+    assert calls.take("a", 1, now=0.1) == 0.0  # refilled at 10 a second
+    msg, retry = calls.refusal(0.1)
+    assert retry == 1 and "--tenant-session-rate: 10 per second" in msg
+
+
 async def test_a_key_past_its_body_rate_gets_429_with_retry_after() -> None:
     """One key sending large bodies back to back kept the API process parsing (tenant B's first
     token 3.4x slower, benchmarks/tenants.py (a)): with several keys each key's bodies over
