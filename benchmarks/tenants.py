@@ -91,11 +91,10 @@ def b_probe(
     opening = " ".join(f"Fact {i}: tenant B keeps notes about harbours." for i in range(30))
     messages = [{"role": "user", "content": f"{opening} Summarise the notes."}]
     with client(url, KEY_B) as c:
-        created = c.post("/v1/sessions", json={"id": api_sid, "ttl_seconds": 3600}) if (
-            session_api
-        ) else None  # fmt: skip
-        if created is not None and created.status_code not in (201, 409):
-            out.errors.append(f"create {api_sid}: HTTP {created.status_code}")
+        if session_api:
+            created = c.post("/v1/sessions", json={"id": api_sid, "ttl_seconds": 3600})
+            if created.status_code not in (201, 409):
+                out.errors.append(f"create {api_sid}: HTTP {created.status_code}")
         for t in range(turns):
             try:
                 answer, ttft = _chat_turn(c, model, chat_sid, messages, max_tokens)
@@ -107,16 +106,13 @@ def b_probe(
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": f"Turn {t + 2}: one more detail, please."},
             ]
-            for method, path, body in (
-                ()
-                if not session_api
-                else (
-                    ("GET", f"/v1/sessions/{api_sid}", None),
-                    ("PATCH", f"/v1/sessions/{api_sid}", {"ttl_seconds": 3600 + t}),
-                    ("POST", f"/v1/sessions/{api_sid}/pin", {"pin_ttl_seconds": 60}),
-                    ("POST", f"/v1/sessions/{api_sid}/unpin", None),
-                )
-            ):
+            calls = [
+                ("GET", f"/v1/sessions/{api_sid}", None),
+                ("PATCH", f"/v1/sessions/{api_sid}", {"ttl_seconds": 3600 + t}),
+                ("POST", f"/v1/sessions/{api_sid}/pin", {"pin_ttl_seconds": 60}),
+                ("POST", f"/v1/sessions/{api_sid}/unpin", None),
+            ]
+            for method, path, body in calls if session_api else []:
                 start = time.perf_counter()
                 try:
                     r = c.request(method, path, json=body)
@@ -177,13 +173,12 @@ def run_phase(
     A's streaming threads in B's process made B wait for their GIL, up to seconds with one core
     left to the clients and the API server), B's probe here."""
     load = load or Load()
-    stop = multiprocessing.get_context("fork").Event()
-    results, sent = multiprocessing.get_context("fork").Pipe(duplex=False)
+    fork = multiprocessing.get_context("fork")
+    stop = fork.Event()
+    results, sent = fork.Pipe(duplex=False)
     child = None
     if a_load is not None:
-        child = multiprocessing.get_context("fork").Process(
-            target=_tenant_a, args=(a_load, stop, sent), daemon=True
-        )
+        child = fork.Process(target=_tenant_a, args=(a_load, stop, sent), daemon=True)
         child.start()
         time.sleep(warmup_s)  # A's load is running before B measures
     say(f"phase {name}: tenant B measuring")
@@ -266,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_default_model()
         tiers = ["--kv-ram-bytes", "1536MiB", "--kv-disk-bytes", "6GiB"]
         resident = "768MiB"
-    flags = [
-        "--api-key", KEY_A, "--api-key", KEY_B, *tiers,
+    limits = [
         "--kv-cache-memory-bytes", resident, "--max-model-len", "2048",
         "--max-num-seqs", str(MAX_NUM_SEQS),
     ]  # fmt: skip
+    flags = ["--api-key", KEY_A, "--api-key", KEY_B, *tiers, *limits]
     env = equal_cores_env(args.reserved_cpus)
     started = time.perf_counter()
     phases: list[Phase] = []
@@ -303,22 +298,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         pin_cleanup(url, pinned)
-        for streams, label in ((MAX_NUM_SEQS, "full batch"), (MAX_NUM_SEQS - 1, "batch - 1")):
-            phases.append(
-                run_phase(
-                    f"(c) long generations, {label}",
-                    probe(f"gen{streams}"),
-                    lambda stop, load, s=streams: long_generations(
-                        url, model, stop, load, s, gen_tokens
-                    ),
-                )
-            )
+        phases += generation_phases(url, model, probe, gen_tokens)
         if not args.quick:
             phases.append(run_phase("idle, again", probe("idle2"), None))
         cores = server.omp_cores()
     plain: list[Phase] = []
     if args.plain:
-        plain = plain_phases(model_dir, flags[4 + len(tiers) :], env, turns, args, gen_tokens)
+        plain = plain_phases(model_dir, limits, env, turns, args, gen_tokens)
     print()
     print(f"model {args.model}, {turns} B turns per phase ({args.max_tokens} tokens each), "
           f"4 session API calls after each; wall {time.perf_counter() - started:.0f}s")  # fmt: skip
@@ -358,16 +344,23 @@ def plain_phases(
 
         b_probe(url, model, "warmup", 2, args.max_tokens, session_api=False)
         phases = [run_phase("idle", probe("idle"), None)]
-        for streams, label in ((MAX_NUM_SEQS, "full batch"), (MAX_NUM_SEQS - 1, "batch - 1")):
-            phases.append(
-                run_phase(
-                    f"(c) long generations, {label}",
-                    probe(f"gen{streams}"),
-                    lambda stop, load, s=streams: long_generations(url, model, stop, load, s, gen),
-                )
-            )
+        phases += generation_phases(url, model, probe, gen)
         say(f"plain vLLM cores: {server.omp_cores()}")
     return phases
+
+
+def generation_phases(
+    url: str, model: str, probe: Callable[[str], Callable[[], Figures]], gen: int
+) -> list[Phase]:
+    """Phase (c): A runs a full batch of long generations, then the same with one slot free."""
+    return [
+        run_phase(
+            f"(c) long generations, {label}",
+            probe(f"gen{streams}"),
+            lambda stop, load, s=streams: long_generations(url, model, stop, load, s, gen),
+        )
+        for streams, label in ((MAX_NUM_SEQS, "full batch"), (MAX_NUM_SEQS - 1, "batch - 1"))
+    ]
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from server.api.auth import KeyRing, is_preflight
 from server.api.body_budget import BodyBudget, CallBudget
 from server.api.body_check import BodyChecker, check_body
 from server.api.protocol import APIError, error_response
-from server.api.routes import GENERATION_PATHS, SESSION_PREFIX
+from server.api.routes import GENERATION_PATHS, SESSION_PREFIX, is_session_path
 from server.kv.registry.api import RegistryUnavailable
 from server.kv.registry.quotas import QuotaExceeded
 
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 64 << 10
 """Bodies up to this size are checked and rewritten on the event loop (well under a
-millisecond); larger ones in a worker thread."""
+millisecond); larger ones in the body check process (:mod:`server.api.body_check`)."""
 LARGE_BODY_BYTES = 1 << 20
 """A key may have one body over this size in flight at a time (more get 429 before their body
 is read): parsing them (here and again in vLLM) takes CPU and the GIL from every tenant."""
@@ -96,9 +96,9 @@ class SessionRequestMiddleware:
         self.max_body_bytes = max_body_bytes
         self.keys = keys
         self.body_budget = body_budget
+        """Large-body bytes per key per second (several keys only), or None."""
         self.call_budget = call_budget
         """Session API calls per key per second (several keys only), or None."""
-        """Large-body bytes per key per second (several keys only), or None."""
         self.replica = (REPLICA_HEADER.lower().encode(), replica.encode("ascii"))
         self._large_by_key: set[str] = set()
         """Tenants with a body over :data:`LARGE_BODY_BYTES` in flight."""
@@ -127,11 +127,7 @@ class SessionRequestMiddleware:
         if method == "OPTIONS" and not is_preflight(headers):
             await _options(scope, receive, send)  # CORS preflights go on to vLLM's CORS layer
             return
-        if (
-            self.call_budget is not None
-            and method != "OPTIONS"
-            and (path == SESSION_PREFIX or path.startswith(SESSION_PREFIX + "/"))
-        ):
+        if self.call_budget is not None and method != "OPTIONS" and is_session_path(path):
             wait_s = self.call_budget.take(self.keys.tenant(headers), 1)
             if wait_s > 0:  # past --tenant-session-rate: 429, held (see REFUSAL_HOLD_S)
                 msg, retry = self.call_budget.refusal(wait_s)

@@ -47,14 +47,14 @@ SESSION_PREFIX = "/v1/sessions"
 """The session API (:mod:`server.api.sessions`), ours, tenant-scoped."""
 
 
+def is_session_path(path: str) -> bool:
+    """Whether ``path`` is the session API's (``/v1/sessions`` or below it)."""
+    return path == SESSION_PREFIX or path.startswith(SESSION_PREFIX + "/")
+
+
 def is_served(path: str) -> bool:
     """Whether a route path (as declared, e.g. ``/v1/sessions/{session_id}``) is served."""
-    return (
-        path in GENERATION_PATHS
-        or path in ENGINE_FREE_PATHS
-        or path == SESSION_PREFIX
-        or path.startswith(SESSION_PREFIX + "/")
-    )
+    return path in GENERATION_PATHS or path in ENGINE_FREE_PATHS or is_session_path(path)
 
 
 def restrict_routes(app: FastAPI) -> list[str]:
