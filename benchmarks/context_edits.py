@@ -17,6 +17,9 @@ edit and prints, per kind, what could be reused and what was:
   ``cached summary`` (:class:`langgraph_kvcache.middleware.CachedSummarizationMiddleware`,
   the same trigger and keep: its summary call continues the thread's conversation);
   ``clear tools`` (``ContextEditingMiddleware`` with ``ClearToolUsesEdit``, keeping 2 results);
+  and ``trim W shifted``, ``summary shifted``, ``clear tools shifted``: the same edits with
+  ``ChatKVCache(reuse="shifted")`` (the history the edit moved is loaded at its new positions;
+  approximate KV, so their answers may differ from the run without cache);
 - per kind, over the model calls after the first edit of each thread: **prefix** (the longest
   prefix the prompt shares with an earlier prompt of its thread: the most that exact reuse can
   read), **anywhere** (the prompt's tokens that occur, in runs of 16 or more, in earlier
@@ -179,11 +182,13 @@ def run_kind(url: str, model_name: str, kind: str, window: int, threads: int, tu
     from langgraph_kvcache import ChatKVCache
 
     tools_json = [convert_to_openai_tool(lookup)]
+    shifted = kind.endswith(" shifted")
+    kind = kind.removesuffix(" shifted")
     model = ChatKVCache(base_url=f"{url}/v1", model=model_name, max_tokens=24, streaming=True,
-                        timeout=300)  # fmt: skip
+                        timeout=300, reuse="shifted" if shifted and cached else None)  # fmt: skip
     # with the cache, one salt per kind: a kind reads only its own calls' KV, never another
     # kind's identical prompts (two edits that leave the same prompts would read each other's)
-    kind_salt = f"{tag}-{kind}-{window}".replace(" ", "-")
+    kind_salt = f"{tag}-{kind}-{window}{'-shifted' if shifted else ''}".replace(" ", "-")
     salt = {"extra_body": {"cache_salt": kind_salt if cached else uuid.uuid4().hex}}
     summarizer = ChatKVCache(base_url=f"{url}/v1", model=model_name, max_tokens=64,
                              session_id=f"summarizer-{tag}", **salt)  # fmt: skip
@@ -228,7 +233,7 @@ def run_kind(url: str, model_name: str, kind: str, window: int, threads: int, tu
 
     agents = {}
     for i in range(threads):
-        thread = f"edits-{tag}-{kind.replace(' ', '-')}-{window}-{i}-{'c' if cached else 'n'}"
+        thread = f"edits-{kind_salt}-{i}-{'c' if cached else 'n'}"
         agents[thread] = create_agent(
             model, tools=[lookup], system_prompt="You answer from the notes you look up.",
             middleware=[salted, *middlewares(kind, window, summarizer), record],
@@ -303,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", default=None,
                     help="only these edit kinds (none, trim, stepped, summary, 'cached summary', "
                          "'clear tools')")  # fmt: skip
+    ap.add_argument("--exact-only", action="store_true",
+                    help="leave out the shifted-reuse kinds ('trim shifted', ...)")  # fmt: skip
     ap.add_argument("--reserved-cpus", type=int, default=0)
     args = ap.parse_args(argv)
     threads = args.threads or (2 if args.quick else 3)
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [("none", 0)] + [(k, w) for w in windows for k in ("trim", "stepped")]
     kinds += [("summary", windows[-1]), ("cached summary", windows[-1]),
               ("clear tools", windows[0])]  # fmt: skip
+    if not args.exact_only:  # the same edits with shifted reuse (approximate KV)
+        kinds += [(f"{k} shifted", w) for k, w in kinds if k in ("trim", "summary", "clear tools")]
     if args.kinds:
         kinds = [(k, w) for k, w in kinds if k in args.kinds]
     flags = ["--kv-cache-memory-bytes", "128MiB", "--max-model-len", "2560", "--max-num-seqs",

@@ -58,7 +58,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
-from langgraph_kvcache.contract import SESSION_HEADER
+from langgraph_kvcache.contract import SESSION_HEADER, XARG_REUSE
 from langgraph_kvcache.cut_calls import StreamedCall, has_whole_call
 from langgraph_kvcache.errors import ToolCallCutError
 from langgraph_kvcache.reasoning import keep_reasoning, keep_streamed_reasoning, send_reasoning
@@ -131,6 +131,11 @@ class ChatKVCache(ChatOpenAI):
     keep theirs in ``additional_kwargs["reasoning_content"]``, requests send it back and ask
     the chat template to keep it (``chat_template_kwargs.preserve_thinking``), so the next
     turn's prompt extends what the model generated and the server reads it from the cache."""
+
+    reuse: Literal["exact", "shifted"] | None = None
+    """How the server reuses this thread's KV (``vllm_xargs.lgkv_reuse``; None: the server's
+    ``--kv-reuse``): ``"shifted"`` also reads the history a trim or summary moved to other
+    positions, keys re-rotated (approximate KV, kept apart from exact requests')."""
 
     @model_validator(mode="before")
     @classmethod
@@ -295,6 +300,10 @@ class ChatKVCache(ChatOpenAI):
         if self.preserve_reasoning and "messages" in payload:
             defaults = (self.extra_body, self.model_kwargs.get("extra_body"))
             payload = send_reasoning(payload, self._convert_input(input_).to_messages(), defaults)
+        if self.reuse is not None:  # a call's own vllm_xargs.lgkv_reuse wins
+            extra = dict(payload.get("extra_body") or {})
+            extra["vllm_xargs"] = {XARG_REUSE: self.reuse, **(extra.get("vllm_xargs") or {})}
+            payload["extra_body"] = extra
         sid = payload.get(SESSION_FIELD)
         if sid is not None:
             payload["extra_headers"] = {**(payload.get("extra_headers") or {}), SESSION_HEADER: sid}

@@ -32,12 +32,16 @@ __all__ = [
     "MIN_TTL_SECONDS",
     "PREFETCH_OP",
     "REPLICA_HEADER",
+    "REUSE_EXACT",
+    "REUSE_MODES",
+    "REUSE_SHIFTED",
     "SESSION_HEADER",
     "SESSION_ID_PATTERN",
     "SESSION_ID_RULE",
     "SYNC_OP",
     "UNSET",
     "XARG_OP",
+    "XARG_REUSE",
     "XARG_SESSION",
     "XARG_TENANT",
     "InvalidSessionId",
@@ -153,6 +157,16 @@ PREFETCH_OP: Final = "prefetch"
 SYNC_OP: Final = "sync"
 """Value of ``extra_args[XARG_OP]`` of the engine request that applies recorded deletes now:
 it finishes once the engine has dropped the blocks and removed their files."""
+XARG_REUSE: Final = "lgkv_reuse"
+"""``vllm_xargs`` key of how a request reuses its session's KV: :data:`REUSE_EXACT` or
+:data:`REUSE_SHIFTED` (the server's ``--kv-reuse`` when absent)."""
+REUSE_EXACT: Final = "exact"
+"""Reuse only a prompt's exact prefix (outputs identical to no cache)."""
+REUSE_SHIFTED: Final = "shifted"
+"""Also reuse the session's tokens that the prompt repeats at other positions (after a trim or
+a summary), keys re-rotated: approximate KV, kept apart from exact requests' blocks."""
+REUSE_MODES: Final = (REUSE_EXACT, REUSE_SHIFTED)
+"""The values of :data:`XARG_REUSE`."""
 BARRIER_OP: Final = "barrier"
 """Value of ``extra_args[XARG_OP]`` of the engine request that finishes once the engine's
 records (turns, block locations, counters) queued before it are in the registry and the

@@ -80,6 +80,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         replica=config.replica_name,
         body_budget=_body_budget(config),
         call_budget=_call_budget(config),
+        reuse=config.kv_reuse,
     )
     vllm_lifespan = app.router.lifespan_context
 
@@ -94,7 +95,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             await _init_vllm_state(engine, app, args, tasks)
             control = _open_control(config, engine)
             app.state.generation_gate = _generation_gate(config, engine)
-            checker = BodyChecker(int(engine.vllm_config.model_config.max_model_len))
+            checker = BodyChecker(
+                int(engine.vllm_config.model_config.max_model_len), reuse=config.kv_reuse
+            )
             checker.start()
             app.state.body_checker = checker
             app.state.lgkv_config = config

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from langgraph_kvcache.contract import REUSE_EXACT, REUSE_MODES
 from server.config_checks import TOOL_STRICT_LEVELS, check_config
 from server.kv.formats import OFFLOAD_DTYPES
 from server.options import (
@@ -307,6 +308,22 @@ class ServerConfig:
     """Blocks a session keeps listed beyond its last call's: the paths of its other call
     streams (a tool's own model calls, a summarizer), forks and rewinds, most recent first, so
     each stream's next call still finds its tail. 0: a session is its last call's blocks."""
+
+    kv_reuse: str = setting(
+        REUSE_EXACT, flag="--kv-reuse", env="LGKV_KV_REUSE", parse=parse_lower,
+        choices=REUSE_MODES, help="how requests that do not say reuse their session's KV",
+    )  # fmt: skip
+    """``exact``: a prompt's exact prefix only (outputs identical to no cache). ``shifted``:
+    also the session's tokens the prompt repeats at other positions (after a trim or summary),
+    keys re-rotated: approximate KV, X.
+    A request's ``vllm_xargs.lgkv_reuse`` overrides it."""
+
+    kv_shift_min_run: int = setting(
+        16, flag="--kv-shift-min-run", env="LGKV_KV_SHIFT_MIN_RUN", parse=parse_int,
+        connector="shift_min_run", help="fewest repeated tokens a shifted load takes",
+    )  # fmt: skip
+    """Shifted reuse: the fewest tokens a run of the session's stored tokens at another
+    position must repeat to be loaded; shorter runs are computed."""
 
     cache_dir: Path = setting(  # noqa: RUF009 (a field declaration)
         default_factory=_default_cache_dir, flag="--cache-dir", env="LGKV_CACHE_DIR",

@@ -131,10 +131,17 @@ def _ensure_chat_template(folder: Path, tok) -> None:  # type: ignore[no-untyped
         (folder / "chat_template.jinja").write_text(tok.chat_template)
 
 
-def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
-    """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template, for fast tests.
+def build_tiny_model(
+    out: Path, tokenizer_from: Path | None = None, layers: int = 2, std: float | None = None
+) -> Path:
+    """A random-weight Llama of ``layers`` layers with SmolLM2's tokenizer and chat template,
+    for fast tests.
 
-    Head size 32 (the smallest vLLM's CPU attention kernel takes), 2 KV heads, float32.
+    Head size 32 (the smallest vLLM's CPU attention kernel takes), 2 KV heads, float32. With
+    one layer a token's KV depends on the token and its position only, not on the tokens
+    before it: KV moved to other positions (shifted reuse) is then exactly what recompute
+    gives. ``std``: the weights' standard deviation (transformers' default 0.02 when None;
+    about 0.1 makes the text depend on the context).
     """
     out = Path(out)
     if _tiny_ready(out):
@@ -153,7 +160,7 @@ def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
             vocab_size=len(tok),
             hidden_size=128,  # 4 heads of 32: vLLM's CPU attention needs head_dim >= 32
             intermediate_size=256,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=4096,
@@ -161,6 +168,7 @@ def build_tiny_model(out: Path, tokenizer_from: Path | None = None) -> Path:
             eos_token_id=tok.eos_token_id,
             tie_word_embeddings=True,
             torch_dtype="float32",
+            **({"initializer_range": std} if std is not None else {}),
         )
         model = LlamaForCausalLM(config).to(torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)

@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from langgraph_kvcache.contract import XARG_SESSION
+from langgraph_kvcache.contract import REUSE_EXACT, XARG_SESSION
 from server.api.generation_body import RESPONSES_PATH, check_responses_body, rewrite_body
 from server.api.json_body import nesting_depth
 from server.api.protocol import APIError
@@ -72,6 +72,7 @@ def check_body(
     tenant: str,
     *,
     salted: bool,
+    reuse: str = REUSE_EXACT,
     max_prompt_tokens: int | None = None,
 ) -> tuple[bytes, str | None]:
     """Bound the JSON nesting of ``body``; on the generation routes also parse, check and
@@ -98,17 +99,23 @@ def check_body(
         check_responses_body(data)
     if path == COMPLETIONS_PATH:
         check_prompt_length(data, max_prompt_tokens)
-    out = rewrite_body(data, tenant, salted=salted)
+    out = rewrite_body(data, tenant, salted=salted, reuse=reuse)
     sid = out["vllm_xargs"].get(XARG_SESSION)
     return json.dumps(out).encode(), str(sid) if sid is not None else None
 
 
 def _check_in_child(
-    body: bytes, path: str, is_json: bool, tenant: str, salted: bool, max_prompt_tokens: int | None
+    body: bytes,
+    path: str,
+    is_json: bool,
+    tenant: str,
+    salted: bool,
+    reuse: str,
+    max_prompt_tokens: int | None,
 ) -> tuple[Any, ...]:
     """:func:`check_body` in the child: its refusal as a plain tuple (pickled back)."""
     try:
-        return ("ok", *check_body(body, path, is_json, tenant, salted=salted,
+        return ("ok", *check_body(body, path, is_json, tenant, salted=salted, reuse=reuse,
                                   max_prompt_tokens=max_prompt_tokens))  # fmt: skip
     except APIError as err:
         return ("error", err.status, err.message, err.type)
@@ -133,9 +140,11 @@ def _exit_with(parent: int) -> None:
 class BodyChecker:
     """:func:`check_body` for large bodies in one child process (see the module doc)."""
 
-    def __init__(self, max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, max_prompt_tokens: int | None = None, reuse: str = REUSE_EXACT) -> None:
         self.max_prompt_tokens = max_prompt_tokens
         """The model's context (``max_model_len``): longer token-id prompts get 400."""
+        self.reuse = reuse
+        """The server's ``--kv-reuse``: how a request that does not say reuses its KV."""
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -171,7 +180,7 @@ class BodyChecker:
         """:func:`check_body` in the child; in a worker thread if the child cannot take it."""
         pool = self._pool_now()
         if pool is not None:
-            args = (body, path, is_json, tenant, salted, self.max_prompt_tokens)
+            args = (body, path, is_json, tenant, salted, self.reuse, self.max_prompt_tokens)
             try:
                 result = await asyncio.wrap_future(pool.submit(_check_in_child, *args))
             except (BrokenProcessPool, RuntimeError, OSError) as exc:
@@ -183,7 +192,7 @@ class BodyChecker:
                 return result[1], result[2]
         async with self._in_thread:
             return await asyncio.to_thread(
-                check_body, body, path, is_json, tenant, salted=salted,
+                check_body, body, path, is_json, tenant, salted=salted, reuse=self.reuse,
                 max_prompt_tokens=self.max_prompt_tokens,
             )  # fmt: skip
 

@@ -39,7 +39,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from langgraph_kvcache.contract import REPLICA_HEADER
+from langgraph_kvcache.contract import REPLICA_HEADER, REUSE_EXACT
 from server.api.auth import KeyRing, is_preflight
 from server.api.body_budget import BodyBudget, CallBudget
 from server.api.body_check import BodyChecker, check_body
@@ -91,8 +91,11 @@ class SessionRequestMiddleware:
         replica: str = "",
         body_budget: BodyBudget | None = None,
         call_budget: CallBudget | None = None,
+        reuse: str = REUSE_EXACT,
     ) -> None:
         self.app = app
+        self.reuse = reuse
+        """How a request that does not say reuses its session's KV (``--kv-reuse``)."""
         self.max_body_bytes = max_body_bytes
         self.keys = keys
         self.body_budget = body_budget
@@ -104,7 +107,7 @@ class SessionRequestMiddleware:
         """Tenants with a body over :data:`LARGE_BODY_BYTES` in flight."""
         self._held = 0
         """Refusals being held (:data:`REFUSAL_HOLD_S`)."""
-        self._checker = BodyChecker()
+        self._checker = BodyChecker(reuse=reuse)
         """Checks large bodies where the app has no child process (before its lifespan
         started one, or after it ended): closed at once, so in a worker thread."""
         self._checker.close()
@@ -208,7 +211,7 @@ class SessionRequestMiddleware:
             if len(body) <= INLINE_BODY_BYTES:
                 limit = checker.max_prompt_tokens if checker is not None else None
                 body, sid = check_body(body, path, is_json, tenant, salted=self.keys.enabled,
-                                       max_prompt_tokens=limit)  # fmt: skip
+                                       reuse=self.reuse, max_prompt_tokens=limit)  # fmt: skip
             else:  # off the server's GIL (server.api.body_check)
                 checker = checker or self._checker
                 body, sid = await checker.check(body, path, is_json, tenant,

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from langgraph_kvcache.contract import XARG_OP, XARG_SESSION, XARG_TENANT
+from langgraph_kvcache.contract import (
+    REUSE_EXACT,
+    REUSE_MODES,
+    REUSE_SHIFTED,
+    XARG_OP,
+    XARG_REUSE,
+    XARG_SESSION,
+    XARG_TENANT,
+)
 from server.api.protocol import APIError, check_session_id
 
 __all__ = [
@@ -19,11 +27,15 @@ __all__ = [
     "SALT_PREFIX",
     "SERVER_OWNED_FIELDS",
     "SERVER_OWNED_XARGS",
+    "SHIFTED_SALT_PREFIX",
     "check_responses_body",
     "rewrite_body",
 ]
 
 SALT_PREFIX = "lgkv-"
+"""``cache_salt`` of a keyed tenant's requests: ``lgkv-<tenant>``."""
+SHIFTED_SALT_PREFIX = "lgkvs-"
+"""``cache_salt`` of requests with shifted reuse: ``lgkvs-<tenant>`` (keyed or not)."""
 RESPONSES_PATH = "/v1/responses"
 SERVER_OWNED_FIELDS = ("kv_transfer_params",)
 """Body fields only the server sets; a request that sends one gets 400."""
@@ -48,19 +60,24 @@ def check_responses_body(body: dict[str, Any]) -> None:
             )
 
 
-def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str, Any]:
+def rewrite_body(
+    body: dict[str, Any], tenant: str, *, salted: bool, reuse: str = REUSE_EXACT
+) -> dict[str, Any]:
     """Move the session named by ``prompt_cache_key``/``session_id``/``vllm_xargs.session_id``
     into ``vllm_xargs`` with the tenant, and salt the KV of keyed tenants.
 
     The tenant always comes from the caller's key (``vllm_xargs.tenant`` in the body is
     replaced). With ``salted`` the ``cache_salt`` is ``lgkv-<tenant>``, followed by
     ``|<client salt>`` when the body sends one: a client may partition its own KV further,
-    never reach another tenant's.
+    never reach another tenant's. A request with shifted reuse (``vllm_xargs.lgkv_reuse``, else
+    ``reuse``, the server's ``--kv-reuse``) always gets the salt ``lgkvs-<tenant>`` (then the
+    client's): its approximate KV is never found by a request that did not ask for it.
 
     Raises:
         APIError: 400 when the names disagree, a session id is malformed, ``vllm_xargs`` is
-            not an object, ``cache_salt`` is not a string, or the body sets a field only the
-            server sets (``kv_transfer_params``, and in ``vllm_xargs`` also ``lgkv_op``).
+            not an object, ``cache_salt`` is not a string, ``vllm_xargs.lgkv_reuse`` is not a
+            known mode, or the body sets a field only the server sets
+            (``kv_transfer_params``, and in ``vllm_xargs`` also ``lgkv_op``).
     """
     out = dict(body)
     for owned in SERVER_OWNED_FIELDS:
@@ -90,11 +107,18 @@ def rewrite_body(body: dict[str, Any], tenant: str, *, salted: bool) -> dict[str
     if named:
         xargs[XARG_SESSION] = next(iter(named.values()))
     xargs[XARG_TENANT] = tenant
+    mode = xargs.pop(XARG_REUSE, None) or reuse
+    if mode not in REUSE_MODES:
+        raise APIError(
+            400, f"vllm_xargs.{XARG_REUSE} must be one of {', '.join(REUSE_MODES)}, got {mode!r}"
+        )
+    if mode == REUSE_SHIFTED:
+        xargs[XARG_REUSE] = mode
     out["vllm_xargs"] = xargs
-    if salted:
+    if salted or mode == REUSE_SHIFTED:
         client_salt = out.pop("cache_salt", None)
         if client_salt is not None and not isinstance(client_salt, str):
             raise APIError(400, "cache_salt must be a string")
-        salt = SALT_PREFIX + tenant
+        salt = (SHIFTED_SALT_PREFIX if mode == REUSE_SHIFTED else SALT_PREFIX) + tenant
         out["cache_salt"] = f"{salt}|{client_salt}" if client_salt else salt
     return out

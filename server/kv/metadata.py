@@ -38,6 +38,27 @@ class LoadItem:
 
 
 @dataclass(frozen=True)
+class ShiftSegment:
+    """Tokens ``src .. src + count`` of the block in RAM slot ``slot`` go to the tokens
+    ``dst .. dst + count`` of a paged block, their keys rotated by ``delta`` positions."""
+
+    slot: int
+    src: int
+    dst: int
+    count: int
+    delta: int
+
+
+@dataclass(frozen=True)
+class ShiftItem:
+    """One paged block filled token by token from stored blocks at other positions (shifted
+    reuse, :mod:`server.kv.scheduler.shifted`): its segments cover every token of it."""
+
+    block_id: BlockRef
+    segments: tuple[ShiftSegment, ...]
+
+
+@dataclass(frozen=True)
 class LoadJob:
     """All loads of one request. ``is_async``: the request waits in WAITING_FOR_REMOTE_KVS and
     the worker reports it in ``finished_recving``; otherwise the copies finish before the
@@ -46,6 +67,10 @@ class LoadJob:
     req_id: str
     items: tuple[LoadItem, ...]
     is_async: bool
+    shifted: tuple[ShiftItem, ...] = ()
+    """Blocks after ``items`` filled by shifted reuse (copied before the step's forward)."""
+    shifted_slots: tuple[int, ...] = ()
+    """The RAM slots ``shifted`` reads, each locked once for the job (released once)."""
 
 
 @dataclass(frozen=True)

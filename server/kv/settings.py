@@ -79,6 +79,11 @@ class ConnectorSettings:
     (other call streams, forks, rewinds), most recent first (:mod:`server.kv.scheduler.
     continuations`). 0: a session is its last call's blocks only."""
 
+    shift_min_run: int = 16
+    """Shifted reuse (requests with ``lgkv_reuse: "shifted"``): the fewest tokens a run of the
+    session's stored tokens at another position must repeat to be loaded (:mod:`server.kv.
+    scheduler.shifted`)."""
+
     @property
     def registry_path(self) -> Path:
         """Path of the SQLite session registry (with Redis: this replica's local part)."""
@@ -143,6 +148,7 @@ class ConnectorSettings:
             min_gap_s=_positive_float(extra, "min_gap_s"),
             pin_share=_share(extra, "pin_share"),
             branch_blocks=_count(extra, "branch_blocks"),
+            shift_min_run=_count(extra, "shift_min_run"),
         )
 
 

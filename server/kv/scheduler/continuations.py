@@ -143,6 +143,15 @@ class Continuations:
         root = parent_of(request, 0)
         return branch_blocks(path, old, token_ids, self.block_size, root, limit)
 
+    @staticmethod
+    def packed(tokens: Sequence[int]) -> bytes:
+        """Token ids as this class stores them (4 bytes each)."""
+        return _packed(tokens)
+
+    def tokens_of(self, parent: str, key: str) -> bytes | None:
+        """The packed token ids of block ``key`` under ``parent``, if remembered."""
+        return self._children.get(parent, {}).get(key)
+
     def knows(self, parent: str, key: str) -> bool:
         """True if ``key`` is remembered as a child of ``parent``."""
         return key in self._children.get(parent, ())

@@ -10,11 +10,12 @@ Hits and misses are counted as the lookup is taken.
 from __future__ import annotations
 
 from server.kv.groups import NULL_BLOCK, BlockRef
-from server.kv.metadata import NO_SLOT, LoadItem, LoadJob
+from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, ShiftItem, ShiftSegment
 from server.kv.scheduler.block_state import BlockState
 from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.requests import Lookup
+from server.kv.scheduler.shifted import Segment
 
 _NO_STATE = BlockState("")
 
@@ -34,14 +35,15 @@ def plan_load(
     ``num_external_tokens`` vLLM took (the lookup whole, or cut to whole blocks); None when
     nothing is loaded. ``async_loads``: every load asynchronous (several KV cache groups)."""
     count = num_external_tokens // block_size
-    publisher.count("lgkv_miss_blocks_total", lookup.misses + len(lookup.keys) - count)
+    publisher.count("lgkv_miss_blocks_total", lookup.misses + max(0, len(lookup.keys) - count))
     keys, tiers = lookup.keys[:count], lookup.tiers[:count]
     # vLLM takes a lookup whole or cut to whole blocks: a remainder is the tail's part
     tail = lookup.tail if num_external_tokens % block_size else None
     if tail is not None:
         keys, tiers = [*keys, tail.key], [*tiers, tail.tier]
         publisher.count("lgkv_hit_tail_tokens_total", num_external_tokens % block_size)
-    if not keys:
+    shifted = lookup.shifted.blocks[: max(0, count - len(keys))] if lookup.shifted else ()
+    if not keys and not shifted:
         return None
     unslotted = [
         k
@@ -75,4 +77,34 @@ def plan_load(
     for slot in promote:  # not needed after all
         index.free_slots.append(slot)
     is_async = async_loads or any(t != "ram" for t in tiers)
-    return LoadJob(request_id, tuple(items), is_async)
+    first = lookup.start + len(keys)
+    moved, slots = _plan_shifted(index, publisher, shifted, block_ids[first : first + len(shifted)])
+    return LoadJob(request_id, tuple(items), is_async, moved, slots)
+
+
+def _plan_shifted(
+    index: BlockIndex,
+    publisher: Publisher,
+    blocks: tuple[tuple[Segment, ...], ...],
+    block_ids: list[BlockRef],
+) -> tuple[tuple[ShiftItem, ...], tuple[int, ...]]:
+    """The shifted blocks' items on ``block_ids``, and their source slots, each locked once."""
+    if not blocks:
+        return (), ()
+    slot_of: dict[str, int] = {}
+    for key in dict.fromkeys(s.key for block in blocks for s in block):
+        state = index.blocks[key]  # RAM-ready when looked up this step
+        state.locks += 1
+        index.touch(key)
+        slot_of[key] = state.slot
+    items = tuple(
+        ShiftItem(
+            block_id,
+            tuple(ShiftSegment(slot_of[s.key], s.src, s.dst, s.count, s.delta) for s in block),
+        )
+        for block_id, block in zip(block_ids, blocks, strict=True)
+    )
+    moved = sum(s.count for block in blocks for s in block if s.delta)
+    publisher.count("lgkv_hit_shifted_tokens_total", moved)
+    publisher.count("lgkv_hit_shifted_blocks_total", len(blocks))
+    return items, tuple(slot_of.values())

@@ -12,8 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from langgraph_kvcache.contract import DEFAULT_TENANT, XARG_OP, XARG_SESSION, XARG_TENANT
+from langgraph_kvcache.contract import (
+    DEFAULT_TENANT,
+    REUSE_SHIFTED,
+    XARG_OP,
+    XARG_REUSE,
+    XARG_SESSION,
+    XARG_TENANT,
+)
 from server.kv.groups import BlockRef
+from server.kv.scheduler.shifted import ShiftedHit
 from server.kv.scheduler.tails import TailHit
 
 
@@ -30,6 +38,8 @@ class Tracked:
     """A control op carried by the request (prefetch), if any."""
     loading: bool = False
     """An asynchronous load of the request is (or may be) in flight: no tail save."""
+    shifted: bool = False
+    """The request asked for shifted reuse (:mod:`server.kv.scheduler.shifted`)."""
 
 
 @dataclass
@@ -41,6 +51,8 @@ class Lookup:
     tiers: list[str]
     misses: int
     tail: TailHit | None = None
+    shifted: ShiftedHit | None = None
+    """Blocks after ``keys`` filled from other positions (then ``tail`` is None)."""
 
 
 def track(tracked: dict[str, Tracked], request: Any) -> Tracked:
@@ -51,6 +63,11 @@ def track(tracked: dict[str, Tracked], request: Any) -> Tracked:
         sid, tenant = extra.get(XARG_SESSION), extra.get(XARG_TENANT) or DEFAULT_TENANT
         session = (str(tenant), str(sid)) if isinstance(sid, str) and sid else None
         op = extra.get(XARG_OP)
-        found = Tracked(request, session=session, op=op if isinstance(op, str) else None)
+        found = Tracked(
+            request,
+            session=session,
+            op=op if isinstance(op, str) else None,
+            shifted=extra.get(XARG_REUSE) == REUSE_SHIFTED,
+        )
         tracked[request.request_id] = found
     return found

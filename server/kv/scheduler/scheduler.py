@@ -47,6 +47,7 @@ from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
+from server.kv.scheduler.shifted import ShiftedHit, find_shifted
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
@@ -187,12 +188,29 @@ class SessionKVScheduler:
         partial = self.continuations.find(request, start + len(keys), tier_of)
         if partial is not None and (tail is None or partial.tokens > tail.tokens):
             tail = partial  # a block shared up to a token inside it: a rewind, a fork
-        self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail)
-        if not keys and tail is None:
+        shifted = self._find_shifted(request, tracked, start + len(keys))
+        if shifted is not None and shifted.tokens(self.block_size) > (tail.tokens if tail else 0):
+            tail = None  # the session's tokens at other positions fill more
+        else:
+            shifted = None
+        self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail, shifted)
+        if not keys and tail is None and shifted is None:
             return 0, False
         is_async = self.async_loads or any(t != "ram" for t in tiers)
         is_async = is_async or (tail is not None and tail.tier != "ram")
-        return len(keys) * self.block_size + (tail.tokens if tail else 0), is_async
+        found = len(keys) * self.block_size + (tail.tokens if tail else 0)
+        return found + (shifted.tokens(self.block_size) if shifted else 0), is_async
+
+    def _find_shifted(self, request: Any, tracked: Tracked, first: int) -> ShiftedHit | None:
+        """A shifted request's hit from paged block ``first`` on (:mod:`.shifted`)."""
+        if not tracked.shifted or tracked.session is None or not self.index.num_slots:
+            return None
+        index = self.index
+        return find_shifted(
+            request, self.continuations, self.policy.keys_of(*tracked.session), first,
+            block_size=self.block_size, min_run=self.settings.shift_min_run,
+            is_ram=lambda key: index.tier_of(key) == "ram",
+        )  # fmt: skip
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[BlockRef], num_external_tokens: int

@@ -24,6 +24,7 @@ start (never a wrong answer: a wrong map would zero a token attention reads).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -50,14 +51,8 @@ class TokenSlots:
     @classmethod
     def probe(cls, views: list[torch.Tensor], block_size: int) -> TokenSlots:
         """The maps of the layers' paged caches (``views``: block dimension first)."""
-        found: dict[tuple[object, ...], torch.Tensor | None] = {}
-        maps: list[torch.Tensor | None] = []
-        for view in views:
-            shape = tuple(view.shape[1:])
-            what = (shape, view.dtype, view.device)
-            if what not in found:
-                found[what] = _probe_layer(shape, view.dtype, view.device, block_size)
-            maps.append(found[what])
+        maps = per_layout(views, lambda v: _probe_layer(tuple(v.shape[1:]), v.dtype, v.device,
+                                                        block_size))  # fmt: skip
         slots = cls(maps, block_size)
         if not slots.known:
             log.warning(
@@ -85,6 +80,20 @@ class TokenSlots:
                 copies.masked_fill_(positions.unsqueeze(0) >= limits, 0)
             out.append(copies)
         return out
+
+
+def per_layout(
+    views: list[torch.Tensor], probe: Callable[[torch.Tensor], torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """``probe`` of each layer's view, run once per block shape, dtype and device."""
+    found: dict[tuple[object, ...], torch.Tensor | None] = {}
+    maps: list[torch.Tensor | None] = []
+    for view in views:
+        what = (tuple(view.shape[1:]), view.dtype, view.device)
+        if what not in found:
+            found[what] = probe(view)
+        maps.append(found[what])
+    return maps
 
 
 def _probe_layer(

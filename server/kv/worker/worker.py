@@ -51,7 +51,7 @@ import torch
 from server.kv.formats import BlockFormat
 from server.kv.groups import BlockRef, LayerBlocks
 from server.kv.keys import parse_tail_key
-from server.kv.metadata import NO_SLOT, LoadItem, SaveItem, StepPlan, WorkerReport
+from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, SaveItem, StepPlan, WorkerReport
 from server.kv.stats import SessionKVStats
 from server.kv.tiers.codec import BlockCodec
 from server.kv.tiers.disk import DiskStore
@@ -60,6 +60,7 @@ from server.kv.tiers.redis import RedisStore
 from server.kv.worker.io_thread import IOThread, Read
 from server.kv.worker.kv_views import block_first_views
 from server.kv.worker.layer_loads import LayerLoads
+from server.kv.worker.shifted_loads import ShiftedLoads
 from server.kv.worker.token_slots import TokenSlots
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class SessionKVWorker:
         self._released: set[str] = set()
         self._load_errors: set[BlockRef] = set()
         self.layer_loads: LayerLoads | None = None
+        self.shifted: ShiftedLoads | None = None
+        """Shifted loads, built at the first one (probing the layout takes a moment)."""
         self._layered_jobs = 0
         self.io = IOThread(store, redis)
 
@@ -162,6 +165,8 @@ class SessionKVWorker:
             started = time.perf_counter()
             if self.layer_groups:
                 self._owners.update((i.block_id, job.req_id) for i in job.items)
+            if job.shifted:
+                self._load_shifted(job)
             ram = [i for i in job.items if not i.from_disk]
             # A sync load's tail is copied now: this step's forward writes its later slots.
             now = [i for i in ram if self.layer_loads is None or (i.partial and not job.is_async)]
@@ -318,6 +323,27 @@ class SessionKVWorker:
             log.warning("KV load of %d RAM blocks failed, they are recomputed: %s", len(items), e)
             self._load_errors.update(i.block_id for i in items)
         self._report.released_slots.extend(i.slot for i in items)
+
+    def _load_shifted(self, job: LoadJob) -> None:
+        """Fill the job's shifted blocks now, every layer (what cannot be done is a miss:
+        vLLM computes those blocks)."""
+        if self.shifted is None:
+            self.shifted = ShiftedLoads.build(self.kv, self.block_size or 0, self.layer_groups)
+            if not self.shifted.ready:
+                log.warning(
+                    "SessionKVConnector: shifted reuse is not possible here (%s); such "
+                    "requests reuse exact prefixes only",
+                    self.shifted.reason,
+                )
+        try:
+            if not self.shifted.ready or self.pool is None:
+                raise RuntimeError(self.shifted.reason or "no RAM tier")
+            self.shifted.load(self.pool, self.kv, list(job.shifted))
+        except Exception as e:  # a miss, never an exception in vLLM's step
+            if self.shifted.ready:
+                log.warning("shifted KV load of %d blocks failed: %s", len(job.shifted), e)
+            self._load_errors.update(i.block_id for i in job.shifted)
+        self._report.released_slots.extend(job.shifted_slots)
 
     def _buffer(self, slot: int) -> torch.Tensor:
         if slot != NO_SLOT and self.pool is not None:

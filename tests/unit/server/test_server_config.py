@@ -157,6 +157,7 @@ def test_vllm_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
         "min_gap_s": 30.0,
         "pin_share": 0.5,
         "branch_blocks": 64,
+        "shift_min_run": 16,
     }
     json.dumps(ktc.kv_connector_extra_config)  # plain JSON, travels to the engine process
 

@@ -61,6 +61,23 @@ def test_no_client_salt_yields_another_tenants_salt(victim_salt: str) -> None:
     assert out["cache_salt"] not in victims
 
 
+def test_shifted_reuse_gets_a_salt_no_exact_request_can_have() -> None:
+    keyed = rewrite_body({"vllm_xargs": {"lgkv_reuse": "shifted"}}, "abcd", salted=True)
+    assert keyed["cache_salt"] == "lgkvs-abcd"
+    assert keyed["vllm_xargs"]["lgkv_reuse"] == "shifted"
+    by_default = rewrite_body({"cache_salt": "x"}, "default", salted=False, reuse="shifted")
+    assert by_default["cache_salt"] == "lgkvs-default|x"
+    exact = rewrite_body(
+        {"vllm_xargs": {"lgkv_reuse": "exact"}}, "t", salted=False, reuse="shifted"
+    )
+    assert "cache_salt" not in exact and "lgkv_reuse" not in exact["vllm_xargs"]
+    # an exact request's salt always starts with its tenant's salt, never the shifted one
+    forged = rewrite_body({"cache_salt": "s-abcd"}, "abcd", salted=True)["cache_salt"]
+    assert not forged.startswith("lgkvs-")
+    with pytest.raises(APIError, match="lgkv_reuse must be one of exact, shifted"):
+        rewrite_body({"vllm_xargs": {"lgkv_reuse": "fuzzy"}}, "t", salted=False)
+
+
 def test_server_owned_fields_are_400() -> None:
     with pytest.raises(APIError, match="kv_transfer_params is set by the server") as info:
         rewrite_body({"kv_transfer_params": {"do_remote_prefill": True}}, "t", salted=False)

@@ -1,0 +1,186 @@
+"""Shifted reuse, scheduler side: a prompt's next tokens found at other positions of its
+session's stored blocks (history cut in front or in the middle), the CachedAttention way.
+
+Agents trim their context (``trim_messages``, summaries, cleared tool results), so a turn's
+prompt often repeats a long run of the previous turn's tokens at earlier positions. Exact
+reuse stops at the first edit. A request that asks for shifted reuse (``vllm_xargs.lgkv_reuse:
+"shifted"``, or the server's ``--kv-reuse shifted``) gets, after its exact prefix:
+
+- the session's last path (its full blocks, then its tail) as token ids, from
+  :class:`~server.kv.scheduler.continuations.Continuations` (blocks this process saved or
+  computed; a path found only on disk or in Redis has none here, and reuses exactly);
+- runs (:func:`find_runs`): from the first prompt token not matched exactly, the longest stored
+  run that starts with the prompt's next ``min_run`` tokens, again and again, until a token
+  found nowhere;
+- whole paged blocks filled from those runs (:func:`plan_blocks`), each token from the stored
+  block holding it, its key rotated by the position difference on the worker
+  (:mod:`server.kv.worker.shifted_loads`). Only RAM blocks serve as sources (a source out of RAM
+  ends the hit); the hit is whole blocks and leaves vLLM at least one token to compute.
+
+The KV loaded this way is approximate (each token's KV was computed with the old context
+before it): such requests carry a ``cache_salt`` of their own (``lgkvs-<tenant>``, set by the
+API process), so their blocks, saved like any, are found only by later shifted requests and
+never by a request that did not ask for approximation.
+
+No torch, never blocks: per request O(prompt tokens) byte comparisons over the session's own
+path, independent of how much the cache holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server.kv.keys import parse_tail_key
+from server.kv.scheduler.continuations import Continuations, shared_tokens
+from server.kv.scheduler.tails import parent_of, prompt_token_ids
+
+_CANDIDATES = 8
+"""Occurrences of a run's first tokens compared before the longest is taken."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``src ..`` of stored block ``key`` fill tokens ``dst ..`` of a paged block."""
+
+    key: str
+    src: int
+    dst: int
+    count: int
+    delta: int
+    """New position minus stored position."""
+
+
+@dataclass(frozen=True)
+class ShiftedHit:
+    """Paged blocks ``first, first + 1, ..`` of the request filled from stored blocks."""
+
+    first: int
+    blocks: tuple[tuple[Segment, ...], ...]
+    shifted_tokens: int
+    """Tokens loaded at another position than stored (``delta != 0``)."""
+
+    def tokens(self, block_size: int) -> int:
+        """Tokens the hit fills."""
+        return len(self.blocks) * block_size
+
+    def sources(self) -> list[str]:
+        """The stored blocks read, each once, in first use order."""
+        return list(dict.fromkeys(s.key for block in self.blocks for s in block))
+
+
+def session_path(
+    continuations: Continuations, root: str, keys: list[str], block_size: int
+) -> tuple[bytes, list[str]]:
+    """The packed token ids of the session's last path (``keys``: its block list, path
+    first, whose first block continues ``root``) and the key of each block, as far as the
+    tokens are known."""
+    tokens: list[bytes] = []
+    blocks: list[str] = []
+    parent = root
+    for key in keys:
+        stored = continuations.tokens_of(parent, key)
+        if stored is None:
+            break
+        tokens.append(stored)
+        blocks.append(key)
+        if parse_tail_key(key) is not None or len(stored) != 4 * block_size:
+            break  # a tail ends the path
+        parent = key
+    return b"".join(tokens), blocks
+
+
+def _occurrences(stored: bytes, pattern: bytes) -> list[int]:
+    """Token positions where ``pattern`` (packed ids) occurs in ``stored``, at most
+    :data:`_CANDIDATES`."""
+    found: list[int] = []
+    at = stored.find(pattern)
+    while at != -1 and len(found) < _CANDIDATES:
+        if at % 4 == 0:
+            found.append(at // 4)
+        at = stored.find(pattern, at + 1)
+    return found
+
+
+def find_runs(
+    stored: bytes, prompt: bytes, start: int, end: int, min_run: int
+) -> list[tuple[int, int, int]]:
+    """``(prompt position, stored position, count)`` runs that cover the prompt's tokens from
+    ``start`` on without a gap, each the longest stored run starting with the prompt's next
+    ``min_run`` tokens; they stop at ``end`` or where no stored run starts."""
+    runs: list[tuple[int, int, int]] = []
+    j = start
+    while end - j >= min_run:
+        want = prompt[4 * j : 4 * end]
+        best_at, best = -1, 0
+        for at in _occurrences(stored, want[: 4 * min_run]):
+            m = shared_tokens(stored[4 * at :], want)
+            if m > best:
+                best_at, best = at, m
+        if best < min_run:
+            break
+        runs.append((j, best_at, best))
+        j += best
+    return runs
+
+
+def plan_blocks(
+    runs: list[tuple[int, int, int]],
+    blocks: list[str],
+    block_size: int,
+    is_ram: Any,
+) -> tuple[tuple[Segment, ...], ...]:
+    """Whole paged blocks from the runs (the first run starts on a block boundary): per
+    block its segments, split where a run or a stored block ends. Stops before the first
+    block that a run does not fill or whose source ``is_ram(key)`` denies."""
+    if not runs:
+        return ()
+    start = runs[0][0]
+    covered = runs[-1][0] + runs[-1][2] - start
+    out: list[tuple[Segment, ...]] = []
+    for b in range(covered // block_size):
+        lo, hi = start + b * block_size, start + (b + 1) * block_size
+        segments: list[Segment] = []
+        for dst, src, count in runs:
+            a, z = max(lo, dst), min(hi, dst + count)
+            while a < z:
+                s = src + (a - dst)
+                block = s // block_size
+                n = min(z - a, (block + 1) * block_size - s)
+                if block >= len(blocks) or not is_ram(blocks[block]):
+                    return tuple(out)
+                segments.append(Segment(blocks[block], s % block_size, a - lo, n, a - s))
+                a += n
+        out.append(tuple(segments))
+    return tuple(out)
+
+
+def find_shifted(
+    request: Any,
+    continuations: Continuations,
+    session_keys: list[str],
+    first: int,
+    *,
+    block_size: int,
+    min_run: int,
+    is_ram: Any,
+) -> ShiftedHit | None:
+    """The request's shifted hit from its paged block ``first`` on (its first ``first``
+    blocks are computed or loaded exactly), or None."""
+    token_ids = prompt_token_ids(request)
+    if token_ids is None or not session_keys:
+        return None
+    stored, blocks = session_path(continuations, parent_of(request, 0), session_keys, block_size)
+    if not stored:
+        return None
+    start = first * block_size
+    end = (request.num_tokens - 1) // block_size * block_size  # vLLM computes >= 1 token
+    if end - start < block_size:
+        return None
+    prompt = Continuations.packed(token_ids[:end])
+    runs = find_runs(stored, prompt, start, end, min_run)
+    planned = plan_blocks(runs, blocks, block_size, is_ram)
+    if not planned:
+        return None
+    moved = sum(s.count for block in planned for s in block if s.delta)
+    return ShiftedHit(first, planned, moved)

@@ -1,0 +1,96 @@
+"""Shifted reuse on the real server: a trimmed history is loaded from the session's stored
+blocks at new positions, and its approximate KV never reaches a request that did not ask.
+
+The server runs a one-layer random-weight Llama (weights at a standard deviation of 0.1, so
+the text depends on the context): with one layer a token's KV depends only on the token and
+its position, so KV moved to other positions with its keys re-rotated is what recompute
+gives, and greedy outputs must be identical to a cache-off run. (With more layers shifted KV
+is approximate: ``benchmarks/context_edits.py --shifted`` measures how far.)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ServerFactory, ServerProcess
+
+pytestmark = pytest.mark.vllm
+
+rng = random.Random(7)
+SYSTEM = [rng.randrange(100, 40000) for _ in range(40)]
+OLD = [rng.randrange(100, 40000) for _ in range(300)]
+KEPT = [rng.randrange(100, 40000) for _ in range(500)]
+NEW = [rng.randrange(100, 40000) for _ in range(30)]
+
+
+@pytest.fixture(scope="module")
+def one_layer_server(start_server: ServerFactory, smollm2_dir: Path) -> ServerProcess:
+    from server.model import build_tiny_model, default_cache_dir
+
+    model = build_tiny_model(
+        default_cache_dir() / "models" / "tiny-llama-1layer",
+        tokenizer_from=smollm2_dir,
+        layers=1,
+        std=0.1,
+    )
+    return start_server("--kv-reuse", "shifted", model_dir=model)
+
+
+def _complete(c: httpx.Client, model: str, prompt: list[int], **extra: object) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}
+    return c.post("/v1/completions", json=body)
+
+
+def _cached(r: httpx.Response) -> int:
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def _shifted_tokens(c: httpx.Client, at_least: int) -> float:
+    """``lgkv_hit_shifted_tokens_total`` once it reaches ``at_least`` (the engine publishes
+    its counters every few milliseconds), or its value after 15 s."""
+    deadline = time.monotonic() + 15
+    while True:
+        found = re.search(r"^lgkv_hit_shifted_tokens_total (\S+)$", c.get("/metrics").text, re.M)
+        value = float(found.group(1)) if found else 0.0
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_a_trimmed_history_is_loaded_shifted_and_answers_as_recompute(
+    one_layer_server: ServerProcess,
+) -> None:
+    server = one_layer_server
+    exact = {"lgkv_reuse": "exact"}
+    with server.client() as c:
+        first = _complete(c, server.model, SYSTEM + OLD + KEPT, session_id="trim")
+        assert _cached(first) == 0
+        # the next turn drops OLD: its KEPT tokens now sit 300 positions earlier
+        trimmed = SYSTEM + KEPT + NEW
+        shifted = _complete(c, server.model, trimmed, session_id="trim")
+        # whole blocks after the prompt's first 40 tokens: 4 blocks of 128 (570 tokens)
+        assert _cached(shifted) == 512
+        assert _shifted_tokens(c, 512 - len(SYSTEM)) == 512 - len(SYSTEM)
+        reference = _complete(c, server.model, trimmed, cache_salt="ref", vllm_xargs=exact)
+        assert _cached(reference) == 0
+        assert shifted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+
+        # An exact request with the same text and session never finds the shifted blocks.
+        after = _complete(c, server.model, trimmed, session_id="trim", vllm_xargs=exact)
+        assert _cached(after) == 0
+        assert after.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+
+
+def test_an_unknown_reuse_mode_is_refused(one_layer_server: ServerProcess) -> None:
+    with one_layer_server.client() as c:
+        r = _complete(c, one_layer_server.model, NEW, vllm_xargs={"lgkv_reuse": "fuzzy"})
+    assert r.status_code == 400
+    assert "lgkv_reuse must be one of exact, shifted" in r.text

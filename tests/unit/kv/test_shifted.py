@@ -1,0 +1,98 @@
+"""Shifted reuse's parts: runs of a session's tokens found at other positions and the paged
+blocks planned from them (scheduler side, no torch), the token layout of vLLM's CPU KV cache
+(its own cache-write kernel) and the re-rotation of keys against vLLM's rotary embedding."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.kv.scheduler.continuations import Continuations
+from server.kv.scheduler.shifted import Segment, find_runs, plan_blocks
+
+BS = 8
+
+
+def _ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_runs_cover_the_prompt_from_where_the_exact_match_stopped() -> None:
+    system, old, kept, new = _ids(1000, 5), _ids(2000, 7), _ids(3000, 20), _ids(4000, 6)
+    stored = Continuations.packed(system + old + kept)
+    prompt = Continuations.packed(system + kept + new)
+    runs = find_runs(stored, prompt, 0, len(system + kept + new), min_run=4)
+    # the system prompt in place, then the kept history 7 positions earlier; new tokens stop it
+    assert runs == [(0, 0, 5), (5, 12, 20)]
+    assert find_runs(stored, prompt, 0, 25, min_run=21) == []  # no run is that long
+
+
+def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_outside_ram() -> None:
+    runs = [(0, 0, 5), (5, 12, 20)]  # from the test above: 25 tokens, 3 whole blocks of 8
+    blocks = ["b0", "b1", "b2", "b3"]  # the stored path: 32 tokens
+    planned = plan_blocks(runs, blocks, BS, lambda key: True)
+    assert len(planned) == 3
+    assert planned[0] == (
+        Segment("b0", 0, 0, 5, 0),  # the system prompt in place
+        Segment("b1", 4, 5, 3, -7),  # stored 12..14 -> 5..7
+    )
+    assert planned[1] == (Segment("b1", 7, 0, 1, -7), Segment("b2", 0, 1, 7, -7))
+    assert planned[2] == (Segment("b2", 7, 0, 1, -7), Segment("b3", 0, 1, 7, -7))
+    # a source outside RAM ends the hit before the block that needs it
+    assert len(plan_blocks(runs, blocks, BS, lambda key: key != "b3")) == 2
+    assert plan_blocks(runs[:1], blocks, BS, lambda key: True) == ()  # less than a block
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm._custom_ops")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_layout_names_every_key_and_value_element(dtype: torch.dtype) -> None:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from server.kv.worker.token_layout import TokenLayout
+
+    block, heads, head_size = 128, 2, 32
+    cache = torch.zeros((3, heads, block, 2 * head_size), dtype=dtype)
+    layout = TokenLayout.probe([cache], block)
+    assert layout.known, layout.reason
+    keys, values = cache.view(3, heads, 2 * block, head_size).chunk(2, dim=2)
+    k = torch.randn(10, heads, head_size).to(dtype)
+    v = torch.randn(10, heads, head_size).to(dtype)
+    slots = torch.arange(block + 5, block + 15)  # tokens 5..14 of block 1
+    isa = _get_attn_isa(dtype, block, head_size)
+    ops.cpu_attn_reshape_and_cache(k, v, keys, values, slots, isa)
+    where = layout.maps[0]
+    assert where is not None
+    got = cache[1].reshape(-1)[where[torch.arange(5, 15)]]
+    assert torch.equal(got[:, 0], k)
+    assert torch.equal(got[:, 1], v)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_a_stored_key_rotated_by_delta_is_the_key_at_the_new_position(neox: bool) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+
+    from server.kv.worker.rotation import Rotation
+
+    rotary_embedding._ROPE_DICT.clear()
+    with set_current_vllm_config(VllmConfig()):
+        rope = rotary_embedding.get_rope(
+            32, 4096, is_neox_style=neox,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            dtype=torch.float32,
+        )  # fmt: skip
+        rotation, why = Rotation.from_model()
+        assert rotation is not None, why
+        heads, n = 2, 6
+        raw = torch.randn(n, heads * 32)
+        positions = torch.tensor([5, 100, 700, 50, 3000, 1])
+        delta = torch.tensor([-3, 40, -600, 0, 500, 7])
+        _, stored = rope.forward_native(positions, torch.zeros_like(raw), raw.clone())
+        _, wanted = rope.forward_native(positions + delta, torch.zeros_like(raw), raw.clone())
+    moved = rotation.rotate(stored.view(n, heads, 32), delta)
+    assert torch.allclose(moved, wanted.view(n, heads, 32), atol=1e-3)
+    assert not torch.allclose(stored.view(n, heads, 32)[0], wanted.view(n, heads, 32)[0])
+    rotary_embedding._ROPE_DICT.clear()
