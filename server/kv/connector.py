@@ -351,9 +351,10 @@ class SessionKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[BlockRef]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        report = self.scheduler.reuse_report(request)
         delay = self.scheduler.request_finished(request, list(block_ids))
         self._usage.forget(request.request_id)
-        return delay, None
+        return delay, report
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_work()

@@ -40,6 +40,10 @@ class Tracked:
     """An asynchronous load of the request is (or may be) in flight: no tail save."""
     shifted: bool = False
     """The request asked for shifted reuse (:mod:`server.kv.scheduler.shifted`)."""
+    exact_tokens: int = 0
+    """Tokens its load reads at their stored positions (before any shifted block)."""
+    moved: list[int] = field(default_factory=list)
+    """Per shifted block its load fills, the tokens read from another position."""
 
 
 @dataclass

@@ -226,8 +226,11 @@ class SessionKVScheduler:
         if job is None:
             return
         self._plan.loads.append(job)
-        if job.is_async:
-            track(self._tracked, request).loading = True
+        tracked = track(self._tracked, request)
+        tracked.loading = tracked.loading or job.is_async
+        if job.shifted:
+            tracked.exact_tokens = num_external_tokens - len(job.shifted) * self.block_size
+            tracked.moved = [sum(s.count for s in i.segments if s.delta) for i in job.shifted]
 
     # -------------------------------------------------------------------- plans
 
@@ -323,6 +326,20 @@ class SessionKVScheduler:
         return self.index.unconfirmed_writes > 0  # counted as blocks change: O(1)
 
     # ---------------------------------------------------------------- sessions
+
+    def reuse_report(self, request: Any) -> dict[str, int] | None:
+        """For a request that asked for shifted reuse, ``{"lgkv_shifted_tokens": n}``: the
+        prompt tokens it read from other positions (blocks that failed to load left out);
+        vLLM returns it as the response's ``kv_transfer_params``. None for other requests."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or not tracked.shifted:
+            return None
+        stats = getattr(request, "prefill_stats", None)
+        external = getattr(stats, "num_external_cached_tokens", None)
+        loaded = len(tracked.moved)
+        if external is not None:  # lowered by LoadAccounting past a failed block
+            loaded = max(0, external - tracked.exact_tokens) // self.block_size
+        return {"lgkv_shifted_tokens": sum(tracked.moved[:loaded])}
 
     def request_finished(self, request: Any, block_ids: list[BlockRef] | None = None) -> bool:
         """Queue the session's turn for the registry and the save of its tail block (of

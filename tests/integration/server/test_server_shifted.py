@@ -78,7 +78,9 @@ def test_a_trimmed_history_is_loaded_shifted_and_answers_as_recompute(
         shifted = _complete(c, server.model, trimmed, session_id="trim")
         # whole blocks after the prompt's first 40 tokens: 4 blocks of 128 (570 tokens)
         assert _cached(shifted) == 512
-        assert _shifted_tokens(c, 512 - len(SYSTEM)) == 512 - len(SYSTEM)
+        moved = 512 - len(SYSTEM)  # the system prompt is read in place
+        assert shifted.json()["kv_transfer_params"] == {"lgkv_shifted_tokens": moved}
+        assert _shifted_tokens(c, moved) == moved
         reference = _complete(c, server.model, trimmed, cache_salt="ref", vllm_xargs=exact)
         assert _cached(reference) == 0
         assert shifted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
@@ -86,6 +88,7 @@ def test_a_trimmed_history_is_loaded_shifted_and_answers_as_recompute(
         # An exact request with the same text and session never finds the shifted blocks.
         after = _complete(c, server.model, trimmed, session_id="trim", vllm_xargs=exact)
         assert _cached(after) == 0
+        assert after.json().get("kv_transfer_params") is None
         assert after.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
 
 
