@@ -16,6 +16,7 @@ import collections
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 
 from server.kv.tiers.redis import RedisStore
 
@@ -92,3 +93,8 @@ class RedisLookups:
                     self._inflight = None
                     if req_id in self._live and req_id not in self._checks:
                         self._answers[req_id] = (keys, found)  # not finished nor asked anew
+
+
+def local_or_redis(local: Callable[[str], str | None], in_redis: set[str], key: str) -> str | None:
+    """The tier of ``key``: a local one, else ``"redis"`` when Redis said it holds it."""
+    return local(key) or ("redis" if key in in_redis else None)

@@ -44,10 +44,10 @@ from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.loads import plan_load
 from server.kv.scheduler.policy import EvictionPolicy
 from server.kv.scheduler.publisher import Publisher
-from server.kv.scheduler.redis_lookups import RedisLookups
+from server.kv.scheduler.redis_lookups import RedisLookups, local_or_redis
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
-from server.kv.scheduler.shifted import ShiftedHit, find_shifted
+from server.kv.scheduler.shifted import ShiftedHit, find_shifted, tokens_read
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
@@ -182,7 +182,7 @@ class SessionKVScheduler:
                 keys.append(key)
                 tiers.append("redis")
             in_redis = {k for k, found in zip(tails, answer[len(rest) :], strict=True) if found}
-            tier_of = functools.partial(_local_or_redis, self.index.tier_of, in_redis)
+            tier_of = functools.partial(local_or_redis, self.index.tier_of, in_redis)
         misses = max(0, end - start - len(keys))
         tail = self.tails.find(request, start + len(keys), tier_of)
         partial = self.continuations.find(request, start + len(keys), tier_of)
@@ -334,12 +334,8 @@ class SessionKVScheduler:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or not tracked.shifted:
             return None
-        stats = getattr(request, "prefill_stats", None)
-        external = getattr(stats, "num_external_cached_tokens", None)
-        loaded = len(tracked.moved)
-        if external is not None:  # lowered by LoadAccounting past a failed block
-            loaded = max(0, external - tracked.exact_tokens) // self.block_size
-        return {"lgkv_shifted_tokens": sum(tracked.moved[:loaded])}
+        moved = tokens_read(request, tracked.moved, tracked.exact_tokens, self.block_size)
+        return {"lgkv_shifted_tokens": moved}
 
     def request_finished(self, request: Any, block_ids: list[BlockRef] | None = None) -> bool:
         """Queue the session's turn for the registry and the save of its tail block (of
@@ -432,8 +428,3 @@ class SessionKVScheduler:
             self.publisher.redis_until.pop(key, None)
         if self.redis_lookups is not None:
             self.redis_lookups.remove(keys)  # else they expire with their TTL
-
-
-def _local_or_redis(local: Callable[[str], str | None], in_redis: set[str], key: str) -> str | None:
-    """The tier of ``key``: a local one, else ``"redis"`` when Redis said it holds it."""
-    return local(key) or ("redis" if key in in_redis else None)

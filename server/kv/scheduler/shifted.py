@@ -184,3 +184,13 @@ def find_shifted(
         return None
     moved = sum(s.count for block in planned for s in block if s.delta)
     return ShiftedHit(first, planned, moved)
+
+
+def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: int) -> int:
+    """Tokens a request read from other positions: ``moved`` per shifted block its load
+    planned after ``exact_tokens`` read in place, cut where vLLM lowered its external cached
+    tokens (a block that failed to load, and every block after it, was recomputed)."""
+    stats = getattr(request, "prefill_stats", None)
+    external = getattr(stats, "num_external_cached_tokens", None)
+    loaded = len(moved) if external is None else max(0, external - exact_tokens) // block_size
+    return sum(moved[:loaded])
