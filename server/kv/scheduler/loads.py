@@ -42,7 +42,10 @@ def plan_load(
     if tail is not None:
         keys, tiers = [*keys, tail.key], [*tiers, tail.tier]
         publisher.count("lgkv_hit_tail_tokens_total", num_external_tokens % block_size)
-    shifted = lookup.shifted.blocks[: max(0, count - len(keys))] if lookup.shifted else ()
+    shifted = ()
+    if lookup.shifted is not None:  # a remainder is its last block's part
+        whole = count - len(keys) + (1 if num_external_tokens % block_size else 0)
+        shifted = lookup.shifted.blocks[: max(0, whole)]
     if not keys and not shifted:
         return None
     unslotted = [

@@ -189,7 +189,7 @@ class SessionKVScheduler:
         if partial is not None and (tail is None or partial.tokens > tail.tokens):
             tail = partial  # a block shared up to a token inside it: a rewind, a fork
         shifted = self._find_shifted(request, tracked, start + len(keys))
-        if shifted is not None and shifted.tokens(self.block_size) > (tail.tokens if tail else 0):
+        if shifted is not None and shifted.tokens > (tail.tokens if tail else 0):
             tail = None  # the session's tokens at other positions fill more
         else:
             shifted = None
@@ -199,7 +199,7 @@ class SessionKVScheduler:
         is_async = self.async_loads or any(t != "ram" for t in tiers)
         is_async = is_async or (tail is not None and tail.tier != "ram")
         found = len(keys) * self.block_size + (tail.tokens if tail else 0)
-        return found + (shifted.tokens(self.block_size) if shifted else 0), is_async
+        return found + (shifted.tokens if shifted else 0), is_async
 
     def _find_shifted(self, request: Any, tracked: Tracked, first: int) -> ShiftedHit | None:
         """A shifted request's hit from paged block ``first`` on (:mod:`.shifted`)."""
@@ -229,7 +229,8 @@ class SessionKVScheduler:
         tracked = track(self._tracked, request)
         tracked.loading = tracked.loading or job.is_async
         if job.shifted:
-            tracked.exact_tokens = num_external_tokens - len(job.shifted) * self.block_size
+            shifted = sum(s.count for i in job.shifted for s in i.segments)
+            tracked.exact_tokens = num_external_tokens - shifted
             tracked.moved = [sum(s.count for s in i.segments if s.delta) for i in job.shifted]
 
     # -------------------------------------------------------------------- plans

@@ -12,10 +12,11 @@ reuse stops at the first edit. A request that asks for shifted reuse (``vllm_xar
 - runs (:func:`find_runs`): from the first prompt token not matched exactly, the longest stored
   run that starts with the prompt's next ``min_run`` tokens, again and again, until a token
   found nowhere;
-- whole paged blocks filled from those runs (:func:`plan_blocks`), each token from the stored
-  block holding it, its key rotated by the position difference on the worker
-  (:mod:`server.kv.worker.shifted_loads`). Only RAM blocks serve as sources (a source out of RAM
-  ends the hit); the hit is whole blocks and leaves vLLM at least one token to compute.
+- paged blocks filled from those runs (:func:`plan_blocks`), each token from the stored block
+  holding it, its key rotated by the position difference on the worker
+  (:mod:`server.kv.worker.shifted_loads`); the last block may be filled in part (vLLM computes
+  the rest of it, as after a tail). Only RAM blocks serve as sources (a source out of RAM ends
+  the hit); the hit leaves vLLM at least one token to compute.
 
 The KV loaded this way is approximate (each token's KV was computed with the old context
 before it): such requests carry a ``cache_salt`` of their own (``lgkvs-<tenant>``, set by the
@@ -53,16 +54,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class ShiftedHit:
-    """Paged blocks ``first, first + 1, ..`` of the request filled from stored blocks."""
+    """Paged blocks ``first, first + 1, ..`` of the request filled from stored blocks (the
+    last one in part when ``tokens`` is not a multiple of the block size)."""
 
     first: int
     blocks: tuple[tuple[Segment, ...], ...]
     shifted_tokens: int
     """Tokens loaded at another position than stored (``delta != 0``)."""
-
-    def tokens(self, block_size: int) -> int:
-        """Tokens the hit fills."""
-        return len(self.blocks) * block_size
+    tokens: int
+    """Tokens the hit fills."""
 
     def sources(self) -> list[str]:
         """The stored blocks read, each once, in first use order."""
@@ -130,15 +130,15 @@ def plan_blocks(
     block_size: int,
     is_ram: Any,
 ) -> tuple[tuple[Segment, ...], ...]:
-    """Whole paged blocks from the runs (the first run starts on a block boundary): per
-    block its segments, split where a run or a stored block ends. Stops before the first
-    block that a run does not fill or whose source ``is_ram(key)`` denies."""
+    """Paged blocks from the runs (the first run starts on a block boundary): per block its
+    segments, split where a run or a stored block ends; the last block holds what the runs
+    cover of it. Stops before the first block with a source ``is_ram(key)`` denies."""
     if not runs:
         return ()
     start = runs[0][0]
     covered = runs[-1][0] + runs[-1][2] - start
     out: list[tuple[Segment, ...]] = []
-    for b in range(covered // block_size):
+    for b in range(-(-covered // block_size)):
         lo, hi = start + b * block_size, start + (b + 1) * block_size
         segments: list[Segment] = []
         for dst, src, count in runs:
@@ -174,16 +174,17 @@ def find_shifted(
     if not stored:
         return None
     start = first * block_size
-    end = (request.num_tokens - 1) // block_size * block_size  # vLLM computes >= 1 token
-    if end - start < block_size:
+    end = request.num_tokens - 1  # vLLM computes at least one token
+    if end - start < min_run:
         return None
     prompt = Continuations.packed(token_ids[:end])
     runs = find_runs(stored, prompt, start, end, min_run)
     planned = plan_blocks(runs, blocks, block_size, is_ram)
-    if not planned:
+    tokens = sum(s.count for block in planned for s in block)
+    if tokens < min_run:
         return None
     moved = sum(s.count for block in planned for s in block if s.delta)
-    return ShiftedHit(first, planned, moved)
+    return ShiftedHit(first, planned, moved, tokens)
 
 
 def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: int) -> int:
@@ -192,5 +193,5 @@ def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: i
     tokens (a block that failed to load, and every block after it, was recomputed)."""
     stats = getattr(request, "prefill_stats", None)
     external = getattr(stats, "num_external_cached_tokens", None)
-    loaded = len(moved) if external is None else max(0, external - exact_tokens) // block_size
+    loaded = len(moved) if external is None else -(-max(0, external - exact_tokens) // block_size)
     return sum(moved[:loaded])

@@ -27,19 +27,20 @@ def test_runs_cover_the_prompt_from_where_the_exact_match_stopped() -> None:
 
 
 def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_outside_ram() -> None:
-    runs = [(0, 0, 5), (5, 12, 20)]  # from the test above: 25 tokens, 3 whole blocks of 8
+    runs = [(0, 0, 5), (5, 12, 20)]  # from the test above: 25 tokens, 3 blocks of 8 and one
     blocks = ["b0", "b1", "b2", "b3"]  # the stored path: 32 tokens
     planned = plan_blocks(runs, blocks, BS, lambda key: True)
-    assert len(planned) == 3
+    assert len(planned) == 4
     assert planned[0] == (
         Segment("b0", 0, 0, 5, 0),  # the system prompt in place
         Segment("b1", 4, 5, 3, -7),  # stored 12..14 -> 5..7
     )
     assert planned[1] == (Segment("b1", 7, 0, 1, -7), Segment("b2", 0, 1, 7, -7))
     assert planned[2] == (Segment("b2", 7, 0, 1, -7), Segment("b3", 0, 1, 7, -7))
+    assert planned[3] == (Segment("b3", 7, 0, 1, -7),)  # the last block in part
     # a source outside RAM ends the hit before the block that needs it
     assert len(plan_blocks(runs, blocks, BS, lambda key: key != "b3")) == 2
-    assert plan_blocks(runs[:1], blocks, BS, lambda key: True) == ()  # less than a block
+    assert plan_blocks(runs[:1], blocks, BS, lambda key: True) == ((Segment("b0", 0, 0, 5, 0),),)
 
 
 torch = pytest.importorskip("torch")
