@@ -59,8 +59,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import Field, model_validator
 
 from langgraph_kvcache.contract import SESSION_HEADER, XARG_REUSE
-from langgraph_kvcache.cut_calls import StreamedCall, has_whole_call
-from langgraph_kvcache.errors import ToolCallCutError
+from langgraph_kvcache.cut_calls import StreamedCall, check_forced_call
 from langgraph_kvcache.reasoning import keep_reasoning, keep_streamed_reasoning, send_reasoning
 from langgraph_kvcache.sessions import (
     current_config,
@@ -363,23 +362,7 @@ class ChatKVCache(ChatOpenAI):
     def _check_forced_call(
         self, kwargs: Mapping[str, Any], info: Mapping[str, Any] | None, result: object
     ) -> None:
-        """:class:`ToolCallCutError` when a forced tool call ended at ``max_tokens`` without a
-        whole call (see the class doc). A whole call and a second one cut after it is a call:
-        the server's parser returns only whole calls, and a stream's are checked here (a cut
-        streamed call reads as ``{}`` or, parsed leniently by LangChain, ``{"title": "At"}``
-        for ``{"title": "At``)."""
-        if kwargs.get("tool_choice") in (None, "auto", "none") or not info:
-            return
-        if info.get("finish_reason") != "length" or has_whole_call(result, kwargs):
-            return
-        limit = kwargs.get("max_tokens", kwargs.get("max_completion_tokens", self.max_tokens))
-        raise ToolCallCutError(
-            f"the forced tool call (tool_choice={kwargs['tool_choice']!r}) was cut at "
-            f"max_tokens={limit} before its arguments were complete (finish_reason 'length'); "
-            "an agent loop would take the partial call for a text answer. Raise max_tokens for "
-            "this call (ChatKVCache(max_tokens=...) or .bind(max_tokens=...))",
-            result.merged if isinstance(result, StreamedCall) else result,
-        )
+        check_forced_call(kwargs, info, result, self.max_tokens)
 
     @contextmanager
     def _explained(self) -> Iterator[None]:

@@ -14,6 +14,8 @@ from typing import Any
 from langchain_core.messages import AIMessageChunk
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 
+from langgraph_kvcache.errors import ToolCallCutError
+
 
 class StreamedCall:
     """What a stream said, kept in O(1) per chunk: its text, its tool calls' pieces by index
@@ -68,3 +70,28 @@ def has_whole_call(result: object, kwargs: Mapping[str, Any]) -> bool:
         if isinstance(args, dict) and required.get(call.get("name"), set()) <= args.keys():
             return True
     return False
+
+
+def check_forced_call(
+    kwargs: Mapping[str, Any],
+    info: Mapping[str, Any] | None,
+    result: object,
+    max_tokens: int | None,
+) -> None:
+    """Raise :class:`ToolCallCutError` when a forced tool call (``kwargs["tool_choice"]``)
+    ended at ``max_tokens`` (the model's; a call's own wins) without a whole call. A whole call
+    and a second one cut after it is a call: the server's parser returns only whole calls, and
+    a stream's are checked here (a cut streamed call reads as ``{}`` or, parsed leniently by
+    LangChain, ``{"title": "At"}`` for ``{"title": "At``)."""
+    if kwargs.get("tool_choice") in (None, "auto", "none") or not info:
+        return
+    if info.get("finish_reason") != "length" or has_whole_call(result, kwargs):
+        return
+    limit = kwargs.get("max_tokens", kwargs.get("max_completion_tokens", max_tokens))
+    raise ToolCallCutError(
+        f"the forced tool call (tool_choice={kwargs['tool_choice']!r}) was cut at "
+        f"max_tokens={limit} before its arguments were complete (finish_reason 'length'); "
+        "an agent loop would take the partial call for a text answer. Raise max_tokens for "
+        "this call (ChatKVCache(max_tokens=...) or .bind(max_tokens=...))",
+        result.merged if isinstance(result, StreamedCall) else result,
+    )
