@@ -97,3 +97,56 @@ def test_a_stored_key_rotated_by_delta_is_the_key_at_the_new_position(neox: bool
     assert torch.allclose(moved, wanted.view(n, heads, 32), atol=1e-3)
     assert not torch.allclose(stored.view(n, heads, 32)[0], wanted.view(n, heads, 32)[0])
     rotary_embedding._ROPE_DICT.clear()
+
+
+@pytest.mark.parametrize("offload", ["auto", "int8"])
+def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(offload: str) -> None:
+    """The worker's path on vLLM's CPU layout: slots decoded from the RAM pool (exact or
+    int8), tokens gathered from two stored blocks, keys rotated, values as stored."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from server.kv.formats import BlockFormat
+    from server.kv.groups import LayerBlocks
+    from server.kv.metadata import ShiftItem, ShiftSegment
+    from server.kv.tiers.codec import BlockCodec
+    from server.kv.tiers.ram import RamPool
+    from server.kv.worker.rotation import Rotation
+    from server.kv.worker.shifted_loads import ShiftedLoads
+    from server.kv.worker.token_layout import TokenLayout
+
+    block, heads, head_size, layers = 128, 2, 32, 2
+    kv = [torch.zeros((4, heads, block, 2 * head_size)) for _ in range(layers)]
+    isa = _get_attn_isa(torch.float32, block, head_size)
+    for layer in kv:  # stored blocks 1 and 2, every token
+        keys, values = layer.view(4, heads, 2 * block, head_size).chunk(2, dim=2)
+        k, v = torch.randn(2 * block, heads, head_size), torch.randn(2 * block, heads, head_size)
+        slots = torch.arange(block, 3 * block)
+        ops.cpu_attn_reshape_and_cache(k, v, keys, values, slots, isa)
+    layer_bytes = tuple(v[0].numel() * 4 for v in kv)
+    fmt = BlockFormat(offload, "float32", layer_bytes, kv_heads=heads, block_tokens=block)
+    pool = RamPool(2, BlockCodec(fmt, [tuple(v.shape[1:]) for v in kv]))
+    pool.save(kv, LayerBlocks([1, 2]), [0, 1])
+    stored = [torch.empty((3, *v.shape[1:])) for v in kv]  # what the pool gives back
+    pool.load(stored, [0, 1], LayerBlocks([1, 2]))
+
+    theta = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    angles = torch.arange(4096).float()[:, None] * theta[None, :]
+    rotation = Rotation(torch.cat([angles.cos(), angles.sin()], dim=-1), 32, neox=True)
+    layout = TokenLayout.probe(kv, block)
+    item = ShiftItem(3, (ShiftSegment(0, 100, 0, 28, -100), ShiftSegment(1, 0, 28, 90, 28)))
+    ShiftedLoads(layout, rotation).load(pool, kv, [item])
+
+    for i, layer in enumerate(kv):
+        where = layout.maps[i]
+        assert where is not None
+        got = layer[3].reshape(-1)[where[torch.arange(118)]]  # [tokens, kv, heads, dim]
+        src1 = stored[i][1].reshape(-1)[where[torch.arange(100, 128)]]
+        src2 = stored[i][2].reshape(-1)[where[torch.arange(0, 90)]]
+        want_v = torch.cat([src1[:, 1], src2[:, 1]])
+        shift = torch.tensor([-100] * 28 + [28] * 90)
+        want_k = rotation.rotate(torch.cat([src1[:, 0], src2[:, 0]]), shift)
+        assert torch.equal(got[:, 1], want_v)
+        assert torch.allclose(got[:, 0], want_k)
+        untouched = layer[3].reshape(-1)[where[torch.arange(118, 128)]]
+        assert not untouched.any()  # tokens past the segments are left for vLLM
