@@ -27,7 +27,6 @@ start's block files and registry snapshots are taken a few milliseconds per step
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,12 +41,13 @@ from server.kv.scheduler.continuations import Continuations
 from server.kv.scheduler.control_ops import CONTROL_OPS, ControlOps
 from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.loads import plan_load
+from server.kv.scheduler.lookups import find_blocks
 from server.kv.scheduler.policy import EvictionPolicy
 from server.kv.scheduler.publisher import Publisher
-from server.kv.scheduler.redis_lookups import RedisLookups, local_or_redis
+from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
-from server.kv.scheduler.shifted import ShiftedHit, find_shifted, tokens_read
+from server.kv.scheduler.shifted import find_shifted, tokens_read
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
@@ -156,39 +156,23 @@ class SessionKVScheduler:
         tracked = track(self._tracked, request)
         if tracked.op in CONTROL_OPS:
             return self._ops.step(request.request_id, tracked.op, tracked.session, self._plan)
-        hashes = request.block_hashes
         start = num_computed_tokens // self.block_size
-        end = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        keys: list[str] = []
-        tiers: list[str] = []
-        for i in range(start, end):
-            key = block_key(hashes[i])
-            tier = self.index.tier_of(key)
-            if tier is None:
-                break
-            keys.append(key)
-            tiers.append(tier)
-        tier_of = self.index.tier_of
-        if self.redis_lookups is not None and start + len(keys) < end:
-            rest = [block_key(h) for h in hashes[start + len(keys) : end]]
-            # Tails another replica saved continue one of these blocks: ask in the same trip.
-            tails = self.tails.after(keys[-1:] + rest)
-            answer = self.redis_lookups.exists(request.request_id, rest + tails)
-            if answer is None:
-                return None, False
-            for key, found in zip(rest, answer, strict=False):
-                if not found:
-                    break
-                keys.append(key)
-                tiers.append("redis")
-            in_redis = {k for k, found in zip(tails, answer[len(rest) :], strict=True) if found}
-            tier_of = functools.partial(local_or_redis, self.index.tier_of, in_redis)
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        found_blocks = find_blocks(request, start, end, self.index, self.redis_lookups, self.tails)
+        if found_blocks is None:
+            return None, False  # Redis has not answered yet
+        keys, tiers, tier_of = found_blocks
         misses = max(0, end - start - len(keys))
         tail = self.tails.find(request, start + len(keys), tier_of)
         partial = self.continuations.find(request, start + len(keys), tier_of)
         if partial is not None and (tail is None or partial.tokens > tail.tokens):
             tail = partial  # a block shared up to a token inside it: a rewind, a fork
-        shifted = self._find_shifted(request, tracked, start + len(keys))
+        shifted = None
+        if tracked.shifted and tracked.session is not None and self.index.num_slots:
+            session_keys = self.policy.keys_of(*tracked.session)
+            shifted = find_shifted(request, self.continuations, session_keys, start + len(keys),
+                                   self.block_size, self.settings.shift_min_run,
+                                   self.index.tier_of)  # fmt: skip
         if shifted is not None and shifted.tokens > (tail.tokens if tail else 0):
             tail = None  # the session's tokens at other positions fill more
         else:
@@ -200,17 +184,6 @@ class SessionKVScheduler:
         is_async = is_async or (tail is not None and tail.tier != "ram")
         found = len(keys) * self.block_size + (tail.tokens if tail else 0)
         return found + (shifted.tokens if shifted else 0), is_async
-
-    def _find_shifted(self, request: Any, tracked: Tracked, first: int) -> ShiftedHit | None:
-        """A shifted request's hit from paged block ``first`` on (:mod:`.shifted`)."""
-        if not tracked.shifted or tracked.session is None or not self.index.num_slots:
-            return None
-        index = self.index
-        return find_shifted(
-            request, self.continuations, self.policy.keys_of(*tracked.session), first,
-            block_size=self.block_size, min_run=self.settings.shift_min_run,
-            is_ram=lambda key: index.tier_of(key) == "ram",
-        )  # fmt: skip
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[BlockRef], num_external_tokens: int

@@ -29,6 +29,7 @@ path, independent of how much the cache holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,7 @@ def plan_blocks(
     runs: list[tuple[int, int, int]],
     blocks: list[str],
     block_size: int,
-    is_ram: Any,
+    is_ram: Callable[[str], bool],
 ) -> tuple[tuple[Segment, ...], ...]:
     """Paged blocks from the runs (the first run starts on a block boundary): per block its
     segments, split where a run or a stored block ends; the last block holds what the runs
@@ -160,13 +161,13 @@ def find_shifted(
     continuations: Continuations,
     session_keys: list[str],
     first: int,
-    *,
     block_size: int,
     min_run: int,
-    is_ram: Any,
+    tier_of: Callable[[str], str | None],
 ) -> ShiftedHit | None:
     """The request's shifted hit from its paged block ``first`` on (its first ``first``
-    blocks are computed or loaded exactly), or None."""
+    blocks are computed or loaded exactly; ``session_keys``: its session's block list;
+    ``tier_of``: where a block is, only "ram" serves), or None."""
     token_ids = prompt_token_ids(request)
     if token_ids is None or not session_keys:
         return None
@@ -179,7 +180,7 @@ def find_shifted(
         return None
     prompt = Continuations.packed(token_ids[:end])
     runs = find_runs(stored, prompt, start, end, min_run)
-    planned = plan_blocks(runs, blocks, block_size, is_ram)
+    planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) == "ram")
     tokens = sum(s.count for block in planned for s in block)
     if tokens < min_run:
         return None

@@ -3,8 +3,9 @@
 The scheduler side (:mod:`server.kv.scheduler.shifted`) found the prompt's next tokens at
 other positions of the session's stored blocks (history cut in front or in the middle) and
 plans, per paged block, segments ``(slot, src, dst, count, delta)``. Here, for one step's
-segments: the source slots are decoded from the RAM pool into scratch blocks, every token's
-key and value elements are gathered (:class:`~server.kv.worker.token_layout.TokenLayout`), the
+segments: the source slots are read in the RAM pool (decoded into scratch blocks first when
+the tiers store another format than the engine's), every token's key and value elements are
+gathered (:class:`~server.kv.worker.token_layout.TokenLayout`), the
 keys rotated by their ``delta`` (:class:`~server.kv.worker.rotation.Rotation`), and the
 elements written into the paged blocks, all layers, before the forward pass. vLLM's paged
 blocks are written only where the plan says (these blocks were allocated to the request).
@@ -56,25 +57,56 @@ class ShiftedLoads:
         """Fill the paged blocks of ``items`` (``kv``: per-layer views, block dim first)."""
         assert self.layout is not None and self.rotation is not None
         slots = sorted({seg.slot for item in items for seg in item.segments})
-        # scratch block 0 stays unused: the pool skips block id 0, vLLM's null block
-        scratch_of = {slot: i for i, slot in enumerate(slots, 1)}
-        scratch = [torch.empty((len(slots) + 1, *v.shape[1:]), dtype=v.dtype) for v in kv]
-        pool.load(scratch, slots, LayerBlocks(range(1, len(slots) + 1)))
-        dst_block, dst_tok, src_block, src_tok, delta = [], [], [], [], []
-        for item in items:
-            for seg in item.segments:
-                dst_block += [item.block_id] * seg.count
-                dst_tok += range(seg.dst, seg.dst + seg.count)
-                src_block += [scratch_of[seg.slot]] * seg.count
-                src_tok += range(seg.src, seg.src + seg.count)
-                delta += [seg.delta] * seg.count
-        d_block = torch.tensor(dst_block, dtype=torch.long).view(-1, 1, 1, 1)
-        s_block = torch.tensor(src_block, dtype=torch.long).view(-1, 1, 1, 1)
-        d_tok = torch.tensor(dst_tok, dtype=torch.long)
-        s_tok = torch.tensor(src_tok, dtype=torch.long)
-        shift = torch.tensor(delta, dtype=torch.long)
-        for layer, (view, where) in enumerate(zip(kv, self.layout.maps, strict=True)):
+        # An exact pool whose layout moves tokens as strided views is read in place (row =
+        # slot); else the slots are decoded into scratch blocks 1.. (block 0 stays unused:
+        # the pool skips block id 0, vLLM's null block).
+        in_place = pool.codec.format.exact and all(s is not None for s in self.layout.strides)
+        row_of = {slot: slot if in_place else i for i, slot in enumerate(slots, 1)}
+        scratch: list[torch.Tensor] = []
+        if not in_place:
+            scratch = [torch.empty((len(slots) + 1, *v.shape[1:]), dtype=v.dtype) for v in kv]
+            pool.load(scratch, slots, LayerBlocks(range(1, len(slots) + 1)))
+        lists = _token_lists(items, row_of)
+        d_block, d_tok, s_row, s_tok, shift = (torch.tensor(x, dtype=torch.long) for x in lists)
+        layers = zip(kv, self.layout.maps, self.layout.strides, strict=True)
+        for layer, (view, where, strides) in enumerate(layers):
             assert where is not None
-            values = scratch[layer].reshape(len(slots) + 1, -1)[s_block, where[s_tok]]
-            values[:, 0] = self.rotation.rotate(values[:, 0], shift)
-            view.reshape(view.shape[0], -1)[d_block, where[d_tok]] = values
+            stored = pool.data[layer].view(view.dtype) if in_place else scratch[layer].flatten(1)
+            if strides is None:  # one index per element
+                src = s_row.view(-1, 1, 1, 1) * stored.shape[1] + where[s_tok]
+                dst = d_block.view(-1, 1, 1, 1) * where.numel() + where[d_tok]
+                values = stored.reshape(-1)[src.view(-1)].view(-1, *where.shape[1:])
+                values[:, 0] = self.rotation.rotate(values[:, 0], shift)
+                view.view(-1)[dst.view(-1)] = values.view(-1)
+                continue
+            heads, size = where.shape[2:]
+            for kind, (offset, st, sh, sd) in enumerate(strides):  # tokens as strided views
+                shape = (where.shape[0], heads, size)
+                rows = stored.as_strided((stored.shape[0], *shape), (stored.stride(0), st, sh, sd),
+                                         stored.storage_offset() + offset)  # fmt: skip
+                values = rows[s_row, s_tok]
+                if kind == 0:
+                    values = self.rotation.rotate(values, shift)
+                paged = view.as_strided((view.shape[0], *shape), (where.numel(), st, sh, sd),
+                                        view.storage_offset() + offset)  # fmt: skip
+                paged[d_block, d_tok] = values
+
+
+def _token_lists(
+    items: list[ShiftItem], row_of: dict[int, int]
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Per token moved: its paged block, its slot there, its source row and slot, its shift."""
+    d_block: list[int] = []
+    d_tok: list[int] = []
+    s_row: list[int] = []
+    s_tok: list[int] = []
+    delta: list[int] = []
+    for item in items:
+        assert isinstance(item.block_id, int)  # one KV cache group (checked in build)
+        for seg in item.segments:
+            d_block += [item.block_id] * seg.count
+            d_tok += range(seg.dst, seg.dst + seg.count)
+            s_row += [row_of[seg.slot]] * seg.count
+            s_tok += range(seg.src, seg.src + seg.count)
+            delta += [seg.delta] * seg.count
+    return d_block, d_tok, s_row, s_tok, delta

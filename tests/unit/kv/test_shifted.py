@@ -99,10 +99,13 @@ def test_a_stored_key_rotated_by_delta_is_the_key_at_the_new_position(neox: bool
     rotary_embedding._ROPE_DICT.clear()
 
 
-@pytest.mark.parametrize("offload", ["auto", "int8"])
-def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(offload: str) -> None:
-    """The worker's path on vLLM's CPU layout: slots decoded from the RAM pool (exact or
-    int8), tokens gathered from two stored blocks, keys rotated, values as stored."""
+@pytest.mark.parametrize(("offload", "strided"), [("auto", True), ("int8", True), ("auto", False)])
+def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(
+    offload: str, strided: bool
+) -> None:
+    """The worker's path on vLLM's CPU layout: slots read in the RAM pool (exact) or decoded
+    (int8), tokens gathered from two stored blocks, keys rotated, values as stored; as
+    strided views of each kind, or one index per element (a layout that is not affine)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -134,6 +137,9 @@ def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(offload
     angles = torch.arange(4096).float()[:, None] * theta[None, :]
     rotation = Rotation(torch.cat([angles.cos(), angles.sin()], dim=-1), 32, neox=True)
     layout = TokenLayout.probe(kv, block)
+    assert all(s is not None for s in layout.strides)  # the CPU layout is affine per kind
+    if not strided:
+        layout.strides = [None] * layers
     item = ShiftItem(3, (ShiftSegment(0, 100, 0, 28, -100), ShiftSegment(1, 0, 28, 90, 28)))
     ShiftedLoads(layout, rotation).load(pool, kv, [item])
 
