@@ -40,6 +40,8 @@ class ShiftedLoads:
         process; ``reason`` says why shifted loads are not possible, if they are not."""
         if layer_groups:
             return cls(None, None, "the model has several KV cache groups")
+        if not all(v.device.type == "cpu" for v in views):
+            return cls(None, None, "the KV cache is not in CPU memory (not built for GPUs yet)")
         if not all(v.is_contiguous() for v in views):
             return cls(None, None, "a paged block is not contiguous in memory")
         rotation, why = Rotation.from_model()
