@@ -81,6 +81,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it after it was picked."""
+
+
 @dataclass
 class ServerProcess:
     """One ``python -m server`` subprocess; start/stop/restart keep port and cache folder."""
@@ -115,7 +119,19 @@ class ServerProcess:
         return cmd
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Start the process and wait until ``/health`` answers 200."""
+        """Start the process and wait until ``/health`` answers 200. On a first start whose
+        port another process took since it was picked (two test workers start servers at
+        once), start again on another port."""
+        first = self.proc is None
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except PortTaken:
+                if not first or attempt == 2:
+                    raise
+                self.port = free_port()
+
+    def _start_once(self, timeout: float) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         env = {**os.environ, **ONE_ENGINE_PROCESS, **self.env}
         with self.log_path.open("ab") as log:
@@ -127,7 +143,13 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                error = (
+                    PortTaken
+                    if "address already in use" in tail.rsplit("=== start", 1)[-1]
+                    else RuntimeError
+                )
+                raise error(f"server exited with {self.proc.returncode}:\n{tail}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
                     return
