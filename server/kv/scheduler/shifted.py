@@ -60,14 +60,8 @@ class ShiftedHit:
 
     first: int
     blocks: tuple[tuple[Segment, ...], ...]
-    shifted_tokens: int
-    """Tokens loaded at another position than stored (``delta != 0``)."""
     tokens: int
     """Tokens the hit fills."""
-
-    def sources(self) -> list[str]:
-        """The stored blocks read, each once, in first use order."""
-        return list(dict.fromkeys(s.key for block in self.blocks for s in block))
 
 
 def session_path(
@@ -184,8 +178,7 @@ def find_shifted(
     tokens = sum(s.count for block in planned for s in block)
     if tokens < min_run:
         return None
-    moved = sum(s.count for block in planned for s in block if s.delta)
-    return ShiftedHit(first, planned, moved, tokens)
+    return ShiftedHit(first, planned, tokens)
 
 
 def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: int) -> int:
