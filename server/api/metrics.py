@@ -26,6 +26,7 @@ _HELP = {
     "lgkv_hit_tail_tokens": "Tokens loaded from partial tail blocks, by tier",
     "lgkv_hit_shifted_blocks": "KV blocks filled by shifted reuse (lgkv_reuse: shifted)",
     "lgkv_hit_shifted_tokens": "Tokens loaded by shifted reuse at another position than stored",
+    "lgkv_hit_shifted_sources": "Stored blocks shifted reuse read, by tier (disk: read first)",
     "lgkv_miss_blocks": "KV blocks looked up in no tier (computed by prefill)",
     "lgkv_evicted_blocks": "Blocks evicted from each tier",
     "lgkv_tier_bytes": "Bytes each tier holds now (stored, i.e. compressed, bytes)",

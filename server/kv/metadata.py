@@ -38,11 +38,23 @@ class LoadItem:
 
 
 @dataclass(frozen=True)
-class ShiftSegment:
-    """Tokens ``src .. src + count`` of the block in RAM slot ``slot`` go to the tokens
-    ``dst .. dst + count`` of a paged block, their keys rotated by ``delta`` positions."""
+class ShiftSource:
+    """A stored block that shifted segments read: in RAM slot ``slot`` (``source`` "ram"), or
+    read from disk first (``source`` "disk": into ``slot``, promoting the block to RAM, or into
+    a temporary buffer when ``slot`` is :data:`NO_SLOT`)."""
 
+    key: str
     slot: int
+    source: str = "ram"
+
+
+@dataclass(frozen=True)
+class ShiftSegment:
+    """Tokens ``src .. src + count`` of the job's shifted source number ``source`` go to the
+    tokens ``dst .. dst + count`` of a paged block, their keys rotated by ``delta``
+    positions."""
+
+    source: int
     src: int
     dst: int
     count: int
@@ -68,9 +80,21 @@ class LoadJob:
     items: tuple[LoadItem, ...]
     is_async: bool
     shifted: tuple[ShiftItem, ...] = ()
-    """Blocks after ``items`` filled by shifted reuse (copied before the step's forward)."""
-    shifted_slots: tuple[int, ...] = ()
-    """The RAM slots ``shifted`` reads, each locked once for the job (released once)."""
+    """Blocks after ``items`` filled by shifted reuse: before the step's forward when every
+    source is in RAM, else (an async job) once the sources' reads finished."""
+    shifted_sources: tuple[ShiftSource, ...] = ()
+    """The stored blocks ``shifted`` reads; each one with a slot is locked once for the job
+    (released once, after the fill)."""
+
+    @property
+    def shifted_slots(self) -> tuple[int, ...]:
+        """The RAM slots the shifted fill holds until it is done."""
+        return tuple(s.slot for s in self.shifted_sources if s.slot != NO_SLOT)
+
+    @property
+    def shifted_reads(self) -> tuple[int, ...]:
+        """The numbers of the shifted sources read from disk first."""
+        return tuple(i for i, s in enumerate(self.shifted_sources) if s.source != "ram")
 
 
 @dataclass(frozen=True)

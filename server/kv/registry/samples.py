@@ -22,6 +22,8 @@ _COUNTERS = (
     "lgkv_hit_tail_tokens_total",
     "lgkv_hit_shifted_blocks_total",
     "lgkv_hit_shifted_tokens_total",
+    'lgkv_hit_shifted_sources_total{tier="ram"}',
+    'lgkv_hit_shifted_sources_total{tier="disk"}',
     "lgkv_miss_blocks_total",
     'lgkv_evicted_blocks_total{tier="ram"}',
     'lgkv_evicted_blocks_total{tier="disk"}',

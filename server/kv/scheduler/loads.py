@@ -4,13 +4,15 @@
 Scheduler side (no torch, never blocks): RAM blocks read are locked until the worker reports
 the load; blocks from disk or Redis get a RAM slot when one is free (promoted, so the next
 turn finds them in RAM); positions a sliding window skips (vLLM's null block) copy nothing.
+A shifted hit's sources are treated alike: in RAM locked, on disk read into a slot when one
+is free (else into a temporary buffer), each once per job.
 Hits and misses are counted as the lookup is taken.
 """
 
 from __future__ import annotations
 
 from server.kv.groups import NULL_BLOCK, BlockRef
-from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, ShiftItem, ShiftSegment
+from server.kv.metadata import NO_SLOT, LoadItem, LoadJob, ShiftItem, ShiftSegment, ShiftSource
 from server.kv.scheduler.block_state import BlockState
 from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.publisher import Publisher
@@ -55,7 +57,9 @@ def plan_load(
         and block_ids[lookup.start + offset] != NULL_BLOCK  # skipped: never read
         and index.blocks.get(k, _NO_STATE).slot == NO_SLOT
     ]
-    promote = index.alloc_slots(len(unslotted), protect=set(keys))
+    sources = {s.key: None for block in shifted for s in block}
+    protect = set(keys) | sources.keys()  # an eviction for a promotion never takes a source
+    promote = index.alloc_slots(len(unslotted), protect=protect)
     items: list[LoadItem] = []
     for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
         block_id = block_ids[lookup.start + offset]
@@ -79,10 +83,14 @@ def plan_load(
         items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
     for slot in promote:  # not needed after all
         index.free_slots.append(slot)
+    # as the lookup said: vLLM waits for an async load even when it cut the part that read disk
     is_async = async_loads or any(t != "ram" for t in tiers)
+    is_async = is_async or (lookup.shifted is not None and lookup.shifted.disk)
     first = lookup.start + len(keys)
-    moved, slots = _plan_shifted(index, publisher, shifted, block_ids[first : first + len(shifted)])
-    return LoadJob(request_id, tuple(items), is_async, moved, slots)
+    moved, used = _plan_shifted(
+        index, publisher, shifted, block_ids[first : first + len(shifted)], protect
+    )
+    return LoadJob(request_id, tuple(items), is_async, moved, used)
 
 
 def _plan_shifted(
@@ -90,24 +98,42 @@ def _plan_shifted(
     publisher: Publisher,
     blocks: tuple[tuple[Segment, ...], ...],
     block_ids: list[BlockRef],
-) -> tuple[tuple[ShiftItem, ...], tuple[int, ...]]:
-    """The shifted blocks' items on ``block_ids``, and their source slots, each locked once."""
+    protect: set[str],
+) -> tuple[tuple[ShiftItem, ...], tuple[ShiftSource, ...]]:
+    """The shifted blocks' items on ``block_ids``, and their sources: a RAM one locked once,
+    one on disk read into a promoted slot (locked) or, with no slot free, a temporary buffer
+    (as looked up this step: RAM-ready or on disk)."""
     if not blocks:
         return (), ()
-    slot_of: dict[str, int] = {}
+    number: dict[str, int] = {}
+    sources: list[ShiftSource] = []
     for key in dict.fromkeys(s.key for block in blocks for s in block):
-        state = index.blocks[key]  # RAM-ready when looked up this step
-        state.locks += 1
+        state = index.blocks[key]
         index.touch(key)
-        slot_of[key] = state.slot
+        number[key] = len(sources)
+        if state.ram_ready:
+            state.locks += 1
+            sources.append(ShiftSource(key, state.slot))
+            continue
+        slot = NO_SLOT  # a read into its slot in flight: read again, into a buffer
+        if state.slot == NO_SLOT:
+            promote = index.alloc_slots(1, protect=protect)
+            if promote:
+                slot = state.slot = promote[0]
+                state.ram_ready = False
+                state.locks += 1
+        sources.append(ShiftSource(key, slot, "disk"))
     items = tuple(
         ShiftItem(
             block_id,
-            tuple(ShiftSegment(slot_of[s.key], s.src, s.dst, s.count, s.delta) for s in block),
+            tuple(ShiftSegment(number[s.key], s.src, s.dst, s.count, s.delta) for s in block),
         )
         for block_id, block in zip(block_ids, blocks, strict=True)
     )
     moved = sum(s.count for block in blocks for s in block if s.delta)
     publisher.count("lgkv_hit_shifted_tokens_total", moved)
     publisher.count("lgkv_hit_shifted_blocks_total", len(blocks))
-    return items, tuple(slot_of.values())
+    ram = sum(s.source == "ram" for s in sources)
+    publisher.count('lgkv_hit_shifted_sources_total{tier="ram"}', ram)
+    publisher.count('lgkv_hit_shifted_sources_total{tier="disk"}', len(sources) - ram)
+    return items, tuple(sources)

@@ -182,6 +182,7 @@ class SessionKVScheduler:
             return 0, False
         is_async = self.async_loads or any(t != "ram" for t in tiers)
         is_async = is_async or (tail is not None and tail.tier != "ram")
+        is_async = is_async or (shifted is not None and shifted.disk)
         found = len(keys) * self.block_size + (tail.tokens if tail else 0)
         return found + (shifted.tokens if shifted else 0), is_async
 

@@ -15,8 +15,9 @@ reuse stops at the first edit. A request that asks for shifted reuse (``vllm_xar
 - paged blocks filled from those runs (:func:`plan_blocks`), each token from the stored block
   holding it, its key rotated by the position difference on the worker
   (:mod:`server.kv.worker.shifted_loads`); the last block may be filled in part (vLLM computes
-  the rest of it, as after a tail). Only RAM blocks serve as sources (a source out of RAM ends
-  the hit); the hit leaves vLLM at least one token to compute.
+  the rest of it, as after a tail). Sources in RAM are read in place; sources on disk are read
+  first (the request then waits in WAITING_FOR_REMOTE_KVS, as for an exact disk hit); a
+  source in neither ends the hit. The hit leaves vLLM at least one token to compute.
 
 The KV loaded this way is approximate (each token's KV was computed with the old context
 before it): such requests carry a ``cache_salt`` of their own (``lgkvs-<tenant>``, set by the
@@ -62,6 +63,8 @@ class ShiftedHit:
     blocks: tuple[tuple[Segment, ...], ...]
     tokens: int
     """Tokens the hit fills."""
+    disk: bool = False
+    """Some source is read from disk first (the load is asynchronous)."""
 
 
 def session_path(
@@ -123,11 +126,11 @@ def plan_blocks(
     runs: list[tuple[int, int, int]],
     blocks: list[str],
     block_size: int,
-    is_ram: Callable[[str], bool],
+    usable: Callable[[str], bool],
 ) -> tuple[tuple[Segment, ...], ...]:
     """Paged blocks from the runs (the first run starts on a block boundary): per block its
     segments, split where a run or a stored block ends; the last block holds what the runs
-    cover of it. Stops before the first block with a source ``is_ram(key)`` denies."""
+    cover of it. Stops before the first block with a source ``usable(key)`` denies."""
     if not runs:
         return ()
     start = runs[0][0]
@@ -142,7 +145,7 @@ def plan_blocks(
                 s = src + (a - dst)
                 block = s // block_size
                 n = min(z - a, (block + 1) * block_size - s)
-                if block >= len(blocks) or not is_ram(blocks[block]):
+                if block >= len(blocks) or not usable(blocks[block]):
                     return tuple(out)
                 segments.append(Segment(blocks[block], s % block_size, a - lo, n, a - s))
                 a += n
@@ -161,7 +164,7 @@ def find_shifted(
 ) -> ShiftedHit | None:
     """The request's shifted hit from its paged block ``first`` on (its first ``first``
     blocks are computed or loaded exactly; ``session_keys``: its session's block list;
-    ``tier_of``: where a block is, only "ram" serves), or None."""
+    ``tier_of``: where a block is, "ram" and "disk" serve), or None."""
     token_ids = prompt_token_ids(request)
     if token_ids is None or not session_keys:
         return None
@@ -174,11 +177,12 @@ def find_shifted(
         return None
     prompt = Continuations.packed(token_ids[:end])
     runs = find_runs(stored, prompt, start, end, min_run)
-    planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) == "ram")
+    planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) in ("ram", "disk"))
     tokens = sum(s.count for block in planned for s in block)
     if tokens < min_run:
         return None
-    return ShiftedHit(first, planned, tokens)
+    disk = any(tier_of(s.key) != "ram" for block in planned for s in block)
+    return ShiftedHit(first, planned, tokens, disk)
 
 
 def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: int) -> int:

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Read:
     """One block read into ``buffer`` (a RAM slot, or a temporary buffer for ``NO_SLOT``);
-    ``item`` and ``req_id`` when it feeds an async load; ``error`` is set when it failed."""
+    ``req_id`` when it feeds an async load: ``item`` for a paged block, ``shift_source`` for
+    the job's shifted source of that number; ``error`` is set when it failed."""
 
     key: str
     slot: int
@@ -39,6 +40,7 @@ class Read:
     item: LoadItem | None = None
     req_id: str | None = None
     error: str | None = None
+    shift_source: int | None = None
 
 
 class IOThread:

@@ -2,9 +2,10 @@
 
 The scheduler side (:mod:`server.kv.scheduler.shifted`) found the prompt's next tokens at
 other positions of the session's stored blocks (history cut in front or in the middle) and
-plans, per paged block, segments ``(slot, src, dst, count, delta)``. Here, for one step's
-segments: the source slots are read in the RAM pool (decoded into scratch blocks first when
-the tiers store another format than the engine's), every token's key and value elements are
+plans, per paged block, segments ``(source, src, dst, count, delta)``. Here, for one job's
+segments: the sources are read in the RAM pool in place (decoded into scratch blocks first
+when the tiers store another format than the engine's, or when a source was read from disk
+into a buffer of its own), every token's key and value elements are
 gathered (:class:`~server.kv.worker.token_layout.TokenLayout`), the
 keys rotated by their ``delta`` (:class:`~server.kv.worker.rotation.Rotation`), and the
 elements written into the paged blocks, all layers, before the forward pass. vLLM's paged
@@ -13,13 +14,17 @@ blocks are written only where the plan says (these blocks were allocated to the 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from server.kv.groups import LayerBlocks
-from server.kv.metadata import ShiftItem
-from server.kv.tiers.ram import RamPool
+from server.kv.groups import BlockRef, LayerBlocks
+from server.kv.metadata import LoadJob, ShiftItem, ShiftSource
+from server.kv.tiers.ram import RamPool, load_block_bytes
 from server.kv.worker.rotation import Rotation
 from server.kv.worker.token_layout import TokenLayout
+
+log = logging.getLogger(__name__)
 
 
 class ShiftedLoads:
@@ -31,6 +36,7 @@ class ShiftedLoads:
         self.layout = layout
         self.rotation = rotation
         self.reason = reason or (layout.reason if layout is not None else "")
+        self._warned = False
 
     @classmethod
     def build(
@@ -55,19 +61,64 @@ class ShiftedLoads:
         """True when shifted loads can run."""
         return self.layout is not None and self.layout.known and self.rotation is not None
 
-    def load(self, pool: RamPool, kv: list[torch.Tensor], items: list[ShiftItem]) -> None:
-        """Fill the paged blocks of ``items`` (``kv``: per-layer views, block dim first)."""
+    def fill(
+        self,
+        pool: RamPool | None,
+        kv: list[torch.Tensor],
+        job: LoadJob,
+        buffers: dict[int, torch.Tensor],
+        failed: frozenset[int] | set[int],
+    ) -> list[BlockRef]:
+        """Fill ``job``'s shifted blocks (its sources read; ``failed``: the numbers of those
+        whose read failed); the paged blocks not filled, a miss and never an exception: vLLM
+        computes them. Why shifted loads cannot run here is logged once."""
+        items = [i for i in job.shifted if all(s.source not in failed for s in i.segments)]
+        missed = [i.block_id for i in job.shifted if i not in items]
+        try:
+            if not self.ready or pool is None:
+                raise RuntimeError(self.reason or "no RAM tier")
+            if items:
+                self.load(pool, kv, items, job.shifted_sources, buffers)
+        except Exception as e:
+            if self.ready or not self._warned:
+                log.warning(
+                    "shifted KV load of %d blocks failed, they are recomputed: %s%s", len(items),
+                    e, "" if self.ready else " (such requests reuse exact prefixes only)",
+                )  # fmt: skip
+            self._warned = True
+            missed += [i.block_id for i in items]
+        return missed
+
+    def load(
+        self,
+        pool: RamPool,
+        kv: list[torch.Tensor],
+        items: list[ShiftItem],
+        sources: tuple[ShiftSource, ...],
+        buffers: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Fill the paged blocks of ``items`` (``kv``: per-layer views, block dim first) from
+        ``sources``: in their pool slots, or (``buffers``, by source number) in a stored
+        block's bytes read from disk without a slot."""
         assert self.layout is not None and self.rotation is not None
-        slots = sorted({seg.slot for item in items for seg in item.segments})
+        buffers = buffers or {}
+        used = sorted({seg.source for item in items for seg in item.segments})
         # An exact pool whose layout moves tokens as strided views is read in place (row =
-        # slot); else the slots are decoded into scratch blocks 1.. (block 0 stays unused:
+        # slot); else the sources are decoded into scratch blocks 1.. (block 0 stays unused:
         # the pool skips block id 0, vLLM's null block).
         in_place = pool.codec.format.exact and all(s is not None for s in self.layout.strides)
-        row_of = {slot: slot if in_place else i for i, slot in enumerate(slots, 1)}
+        in_place = in_place and not any(n in buffers for n in used)
+        row_of = {n: sources[n].slot if in_place else i for i, n in enumerate(used, 1)}
         scratch: list[torch.Tensor] = []
         if not in_place:
-            scratch = [torch.empty((len(slots) + 1, *v.shape[1:]), dtype=v.dtype) for v in kv]
-            pool.load(scratch, slots, LayerBlocks(range(1, len(slots) + 1)))
+            scratch = [torch.empty((len(used) + 1, *v.shape[1:]), dtype=v.dtype) for v in kv]
+            pooled = [n for n in used if n not in buffers]
+            if pooled:
+                rows = LayerBlocks([row_of[n] for n in pooled])
+                pool.load(scratch, [sources[n].slot for n in pooled], rows)
+            for n in used:
+                if n in buffers:
+                    load_block_bytes(pool.codec, scratch, buffers[n], LayerBlocks([row_of[n]]))
         lists = _token_lists(items, row_of)
         d_block, d_tok, s_row, s_tok, shift = (torch.tensor(x, dtype=torch.long) for x in lists)
         layers = zip(kv, self.layout.maps, self.layout.strides, strict=True)
@@ -108,7 +159,7 @@ def _token_lists(
         for seg in item.segments:
             d_block += [item.block_id] * seg.count
             d_tok += range(seg.dst, seg.dst + seg.count)
-            s_row += [row_of[seg.slot]] * seg.count
+            s_row += [row_of[seg.source]] * seg.count
             s_tok += range(seg.src, seg.src + seg.count)
             delta += [seg.delta] * seg.count
     return d_block, d_tok, s_row, s_tok, delta

@@ -72,6 +72,11 @@ class _AsyncLoad:
     pending: int
     started: float
     failed_blocks: set[BlockRef] = field(default_factory=set)
+    shifted: LoadJob | None = None
+    """The job, when its shifted blocks wait for their sources' reads."""
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Shifted sources read without a slot, by number."""
+    failed_sources: set[int] = field(default_factory=set)
 
 
 class SessionKVWorker:
@@ -165,7 +170,8 @@ class SessionKVWorker:
             started = time.perf_counter()
             if self.layer_groups:
                 self._owners.update((i.block_id, job.req_id) for i in job.items)
-            if job.shifted:
+            reads = job.shifted_reads if job.shifted else ()
+            if job.shifted and not reads:
                 self._load_shifted(job)
             ram = [i for i in job.items if not i.from_disk]
             # A sync load's tail is copied now: this step's forward writes its later slots.
@@ -174,7 +180,7 @@ class SessionKVWorker:
             self._load_now(now)
             layered += later
             disk = [i for i in job.items if i.from_disk]
-            if not disk:
+            if not disk and not reads:
                 if later:
                     self._layered_jobs += 1  # observed when its last layer is copied
                 else:
@@ -182,13 +188,20 @@ class SessionKVWorker:
                 if job.is_async:
                     self._finished_loads.add(job.req_id)
                 continue
-            self._loads[job.req_id] = _AsyncLoad(job.req_id, len(disk), started)
+            pending = len(disk) + len(reads)
+            self._loads[job.req_id] = _AsyncLoad(
+                job.req_id, pending, started, shifted=job if reads else None
+            )
             for item in disk:
                 self.io.read(
                     Read(
                         item.key, item.slot, self._buffer(item.slot), item.source, item, job.req_id
                     )
                 )
+            for n in reads:  # the shifted fill waits for these (their slots stay locked)
+                src = job.shifted_sources[n]
+                buffer = self._buffer(src.slot)
+                self.io.read(Read(src.key, src.slot, buffer, src.source, None, job.req_id, None, n))
         for key, slot in plan.reads:
             self.io.read(Read(key, slot, self._buffer(slot)))
         if layered and self.layer_loads is not None:
@@ -324,25 +337,17 @@ class SessionKVWorker:
             self._load_errors.update(i.block_id for i in items)
         self._report.released_slots.extend(i.slot for i in items)
 
-    def _load_shifted(self, job: LoadJob) -> None:
-        """Fill the job's shifted blocks now, every layer (what cannot be done is a miss:
-        vLLM computes those blocks)."""
+    def _load_shifted(
+        self,
+        job: LoadJob,
+        buffers: dict[int, torch.Tensor] | None = None,
+        failed: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
+        """Fill the job's shifted blocks now (:meth:`ShiftedLoads.fill`; ``buffers``: sources
+        read without a slot); a block not filled is a miss: vLLM computes it."""
         if self.shifted is None:
             self.shifted = ShiftedLoads.build(self.kv, self.block_size or 0, self.layer_groups)
-            if not self.shifted.ready:
-                log.warning(
-                    "SessionKVConnector: shifted reuse is not possible here (%s); such "
-                    "requests reuse exact prefixes only",
-                    self.shifted.reason,
-                )
-        try:
-            if not self.shifted.ready or self.pool is None:
-                raise RuntimeError(self.shifted.reason or "no RAM tier")
-            self.shifted.load(self.pool, self.kv, list(job.shifted))
-        except Exception as e:  # a miss, never an exception in vLLM's step
-            if self.shifted.ready:
-                log.warning("shifted KV load of %d blocks failed: %s", len(job.shifted), e)
-            self._load_errors.update(i.block_id for i in job.shifted)
+        self._load_errors.update(self.shifted.fill(self.pool, self.kv, job, buffers or {}, failed))
         self._report.released_slots.extend(job.shifted_slots)
 
     def _buffer(self, slot: int) -> torch.Tensor:
@@ -358,8 +363,13 @@ class SessionKVWorker:
         else:
             log.warning("KV block %s is a miss: %s", read.key[:16], read.error)
             self._report.read_failed.append(read.key)
-        if read.item is not None and read.req_id is not None:
-            load = self._loads.get(read.req_id)
+        load = self._loads.get(read.req_id) if read.req_id is not None else None
+        if read.shift_source is not None:  # the fill reads it (and then releases its slot)
+            if load is not None and read.error is not None:
+                load.failed_sources.add(read.shift_source)
+            elif load is not None and read.slot == NO_SLOT:
+                load.buffers[read.shift_source] = read.buffer
+        elif read.item is not None and read.req_id is not None:
             block = self._blocks((read.item.block_id,))
             if read.error is None and self.pool is not None:
                 self.pool.load_bytes(self.kv, read.buffer, block)
@@ -367,12 +377,14 @@ class SessionKVWorker:
                 load_block_bytes(self.codec, self.kv, read.buffer, block)
             elif load is not None:
                 load.failed_blocks.add(read.item.block_id)
-            if load is not None:
-                load.pending -= 1
-                if load.pending == 0:
-                    self._loads.pop(read.req_id)
-                    self._finished_loads.add(read.req_id)
-                    self._load_errors |= load.failed_blocks
-                    self.stats.observe_load(time.perf_counter() - load.started)
-        if read.slot != NO_SLOT:
+        if load is not None:
+            load.pending -= 1
+            if load.pending == 0:
+                self._loads.pop(load.req_id)
+                if load.shifted is not None:
+                    self._load_shifted(load.shifted, load.buffers, load.failed_sources)
+                self._finished_loads.add(load.req_id)
+                self._load_errors |= load.failed_blocks
+                self.stats.observe_load(time.perf_counter() - load.started)
+        if read.slot != NO_SLOT and read.shift_source is None:
             self._report.released_slots.append(read.slot)

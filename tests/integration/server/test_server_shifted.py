@@ -27,6 +27,8 @@ SYSTEM = [rng.randrange(100, 40000) for _ in range(40)]
 OLD = [rng.randrange(100, 40000) for _ in range(300)]
 KEPT = [rng.randrange(100, 40000) for _ in range(500)]
 NEW = [rng.randrange(100, 40000) for _ in range(30)]
+RAM_SLOTS = 32
+"""RAM tier blocks (2 MiB of 64 KiB blocks: one layer, 2 KV heads of 32, 128 tokens, float32)."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def one_layer_server(start_server: ServerFactory, smollm2_dir: Path) -> ServerPr
         layers=1,
         std=0.1,
     )
-    return start_server("--kv-reuse", "shifted", model_dir=model)
+    return start_server("--kv-reuse", "shifted", "--kv-ram-bytes", "2MiB", model_dir=model)
 
 
 def _complete(c: httpx.Client, model: str, prompt: list[int], **extra: object) -> httpx.Response:
@@ -53,12 +55,15 @@ def _cached(r: httpx.Response) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def _shifted_tokens(c: httpx.Client, at_least: int) -> float:
-    """``lgkv_hit_shifted_tokens_total`` once it reaches ``at_least`` (the engine publishes
-    its counters every few milliseconds), or its value after 15 s."""
+def _shifted_tokens(
+    c: httpx.Client, at_least: float, sample: str = "lgkv_hit_shifted_tokens_total"
+) -> float:
+    """``sample`` (a counter) once it reaches ``at_least`` (the engine publishes its counters
+    every few milliseconds), or its value after 15 s."""
     deadline = time.monotonic() + 15
     while True:
-        found = re.search(r"^lgkv_hit_shifted_tokens_total (\S+)$", c.get("/metrics").text, re.M)
+        line = rf"^{re.escape(sample)} (\S+)$"
+        found = re.search(line, c.get("/metrics").text, re.M)
         value = float(found.group(1)) if found else 0.0
         if value >= at_least or time.monotonic() > deadline:
             return value
@@ -91,6 +96,34 @@ def test_a_trimmed_history_is_loaded_shifted_and_answers_as_recompute(
         assert _cached(after) == 0
         assert after.json().get("kv_transfer_params") is None
         assert after.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+
+
+def test_a_history_pushed_out_of_ram_is_loaded_shifted_from_disk(
+    one_layer_server: ServerProcess,
+) -> None:
+    """The session's blocks left RAM for disk (other sessions filled the RAM tier): the
+    shifted hit reads its sources from disk first, then answers as recompute."""
+    server = one_layer_server
+    old = [rng.randrange(100, 40000) for _ in range(300)]
+    kept = [rng.randrange(100, 40000) for _ in range(500)]
+    disk = 'lgkv_hit_shifted_sources_total{tier="disk"}'
+    with server.client() as c:
+        first = _complete(c, server.model, SYSTEM + old + kept, session_id="far")
+        assert _cached(first) <= len(SYSTEM)  # the first test's system prompt, if it ran
+        before = _shifted_tokens(c, 0, disk)
+        for n in range(2):  # 2 x 15 blocks: with the others saved since, more than RAM holds
+            filler = [rng.randrange(100, 40000) for _ in range(1900)]
+            assert _cached(_complete(c, server.model, filler, session_id=f"filler{n}")) == 0
+        assert RAM_SLOTS < 2 * 15 + 7
+        trimmed = SYSTEM + kept + NEW
+        shifted = _complete(c, server.model, trimmed, session_id="far")
+        assert _cached(shifted) == len(SYSTEM) + len(kept)
+        assert shifted.json()["kv_transfer_params"] == {"lgkv_shifted_tokens": len(kept)}
+        assert _shifted_tokens(c, before + 1, disk) > before  # sources were read from disk
+        exact = {"lgkv_reuse": "exact"}
+        reference = _complete(c, server.model, trimmed, cache_salt="ref2", vllm_xargs=exact)
+        assert _cached(reference) == 0
+        assert shifted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
 
 
 def test_an_unknown_reuse_mode_is_refused(one_layer_server: ServerProcess) -> None:

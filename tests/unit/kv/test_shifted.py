@@ -26,7 +26,7 @@ def test_runs_cover_the_prompt_from_where_the_exact_match_stopped() -> None:
     assert find_runs(stored, prompt, 0, 25, min_run=21) == []  # no run is that long
 
 
-def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_outside_ram() -> None:
+def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_where_no_tier_has_one() -> None:
     runs = [(0, 0, 5), (5, 12, 20)]  # from the test above: 25 tokens, 3 blocks of 8 and one
     blocks = ["b0", "b1", "b2", "b3"]  # the stored path: 32 tokens
     planned = plan_blocks(runs, blocks, BS, lambda key: True)
@@ -38,7 +38,7 @@ def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_outside_ram() 
     assert planned[1] == (Segment("b1", 7, 0, 1, -7), Segment("b2", 0, 1, 7, -7))
     assert planned[2] == (Segment("b2", 7, 0, 1, -7), Segment("b3", 0, 1, 7, -7))
     assert planned[3] == (Segment("b3", 7, 0, 1, -7),)  # the last block in part
-    # a source outside RAM ends the hit before the block that needs it
+    # a source in no tier (neither RAM nor disk) ends the hit before the block that needs it
     assert len(plan_blocks(runs, blocks, BS, lambda key: key != "b3")) == 2
     assert plan_blocks(runs[:1], blocks, BS, lambda key: True) == ((Segment("b0", 0, 0, 5, 0),),)
 
@@ -99,19 +99,23 @@ def test_a_stored_key_rotated_by_delta_is_the_key_at_the_new_position(neox: bool
     rotary_embedding._ROPE_DICT.clear()
 
 
-@pytest.mark.parametrize(("offload", "strided"), [("auto", True), ("int8", True), ("auto", False)])
+@pytest.mark.parametrize(
+    ("offload", "strided", "read"),
+    [("auto", True, False), ("int8", True, False), ("auto", False, False), ("auto", True, True)],
+)
 def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(
-    offload: str, strided: bool
+    offload: str, strided: bool, read: bool
 ) -> None:
     """The worker's path on vLLM's CPU layout: slots read in the RAM pool (exact) or decoded
     (int8), tokens gathered from two stored blocks, keys rotated, values as stored; as
-    strided views of each kind, or one index per element (a layout that is not affine)."""
+    strided views of each kind, or one index per element (a layout that is not affine); with
+    ``read``, the second source is a block's bytes read from disk without a slot."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from server.kv.formats import BlockFormat
     from server.kv.groups import LayerBlocks
-    from server.kv.metadata import ShiftItem, ShiftSegment
+    from server.kv.metadata import LoadJob, ShiftItem, ShiftSegment, ShiftSource
     from server.kv.tiers.codec import BlockCodec
     from server.kv.tiers.ram import RamPool
     from server.kv.worker.rotation import Rotation
@@ -141,7 +145,10 @@ def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(
     if not strided:
         layout.strides = [None] * layers
     item = ShiftItem(3, (ShiftSegment(0, 100, 0, 28, -100), ShiftSegment(1, 0, 28, 90, 28)))
-    ShiftedLoads(layout, rotation).load(pool, kv, [item])
+    sources = (ShiftSource("a", 0), ShiftSource("b", 1, "disk"))
+    buffers = {1: pool.copy_slot(1)} if read else {}
+    job = LoadJob("r", (), True, (item,), sources)
+    assert ShiftedLoads(layout, rotation).fill(pool, kv, job, buffers, set()) == []
 
     for i, layer in enumerate(kv):
         where = layout.maps[i]
@@ -156,3 +163,19 @@ def test_a_shifted_load_moves_each_token_from_the_pool_into_its_new_slot(
         assert torch.allclose(got[:, 0], want_k)
         untouched = layer[3].reshape(-1)[where[torch.arange(118, 128)]]
         assert not untouched.any()  # tokens past the segments are left for vLLM
+
+
+def test_a_block_whose_source_read_failed_is_left_to_vllm() -> None:
+    """A shifted block with a source whose disk read failed is not filled and is reported,
+    the others are filled; a fill that cannot run at all reports every block (no exception)."""
+    from server.kv.metadata import LoadJob, ShiftItem, ShiftSegment, ShiftSource
+    from server.kv.worker.shifted_loads import ShiftedLoads
+
+    items = (
+        ShiftItem(3, (ShiftSegment(0, 0, 0, 8, 4),)),
+        ShiftItem(4, (ShiftSegment(1, 0, 0, 8, 4),)),
+    )
+    job = LoadJob("r", (), True, items, (ShiftSource("a", 0), ShiftSource("b", -1, "disk")))
+    cannot = ShiftedLoads(None, None, "the model has several KV cache groups")
+    assert cannot.fill(None, [], job, {}, {1}) == [4, 3]
+    assert job.shifted_slots == (0,) and job.shifted_reads == (1,)
