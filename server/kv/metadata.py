@@ -107,6 +107,11 @@ class SaveItem:
     slot: int
     to_disk: bool
     to_redis: bool = False
+    parent: str = ""
+    """With ``tokens``: the key of the block this one continues (kept in its file's header)."""
+    tokens: bytes = b""
+    """Its token ids (packed uint32), when known and written to disk: after a restart the
+    scheduler side learns them from the file (shifted reuse, reuse up to a token)."""
 
 
 @dataclass

@@ -22,13 +22,15 @@ each stream's context:
   it finds it.
 
 Contracts (the scheduler side: no torch, never blocks):
-- Token ids are known for blocks this process saved or computed; blocks found on disk at start
-  or in Redis from another replica are reused whole only (a tail by its exact tokens) until
-  this process computes them again.
+- Token ids are known for blocks this process saved or computed, and for block files found at
+  start that keep them in their header page (:mod:`server.kv.scheduler.saves` writes them);
+  blocks in Redis from another replica are reused whole only (a tail by its exact tokens)
+  until this process computes them.
 - Per lookup: one parent's children, at most :data:`MAX_CHILDREN` (most recent kept), each
   compared by a binary search over byte slices: O(children x log block_size), independent of
   how much the cache holds. Memory: about 1 KB per stored block of 128 tokens (975 bytes
-  measured with ``tracemalloc``: the packed ids, the keys, the dict entries), at most about
+  measured with ``tracemalloc``: the packed ids, the keys, the dict entries; the child to
+  parent map adds one dict entry), at most about
   twice the blocks the index holds (pruned like tails); next to the block itself (11.8 MB for
   SmolLM2 in float32) it is noise.
 """
@@ -71,6 +73,8 @@ class Continuations:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._children: dict[str, dict[str, bytes]] = {}
+        self._parent: dict[str, str] = {}
+        """Child key -> parent key (a block's key names its parent: one each)."""
         self._learnt = 0
 
     def __len__(self) -> int:
@@ -81,10 +85,20 @@ class Continuations:
         children = self._children.setdefault(parent, {})
         if key in children:
             return
-        children[key] = _packed(tokens)
+        self.learn_packed(parent, key, _packed(tokens))
+
+    def learn_packed(self, parent: str, key: str, tokens: bytes) -> None:
+        """:meth:`learn` with the token ids packed (as a block file's header keeps them)."""
+        children = self._children.setdefault(parent, {})
+        if key in children:
+            return
+        children[key] = tokens
+        self._parent[key] = parent
         self._learnt += 1
         if len(children) > MAX_CHILDREN:
-            del children[next(iter(children))]  # the oldest learnt
+            oldest = next(iter(children))  # the oldest learnt
+            del children[oldest]
+            self._parent.pop(oldest, None)
 
     def learn_blocks(self, request: Any, first: int, keys: list[str]) -> None:
         """Note the request's full blocks from block ``first`` on, whose keys are ``keys``
@@ -152,6 +166,12 @@ class Continuations:
         """The packed token ids of block ``key`` under ``parent``, if remembered."""
         return self._children.get(parent, {}).get(key)
 
+    def stored(self, key: str) -> tuple[str, bytes] | None:
+        """(parent key, packed token ids) of block ``key``, if remembered."""
+        parent = self._parent.get(key)
+        tokens = None if parent is None else self.tokens_of(parent, key)
+        return None if parent is None or tokens is None else (parent, tokens)
+
     def knows(self, parent: str, key: str) -> bool:
         """True if ``key`` is remembered as a child of ``parent``."""
         return key in self._children.get(parent, ())
@@ -185,6 +205,7 @@ class Continuations:
         prune (bounds the memory of blocks evicted or dropped meanwhile)."""
         if self._learnt > limit:
             self._learnt = keep_alive(self._children, alive)
+            self._parent = {k: p for p, kids in self._children.items() for k in kids}
 
 
 def branch_blocks(

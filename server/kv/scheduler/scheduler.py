@@ -34,7 +34,7 @@ from typing import Any
 
 from server.kv.groups import BlockRef, saveable
 from server.kv.keys import block_key
-from server.kv.metadata import SaveItem, StepPlan, WorkerReport
+from server.kv.metadata import StepPlan, WorkerReport
 from server.kv.registry.api import EngineRegistry
 from server.kv.registry.shared import open_registry
 from server.kv.scheduler.continuations import Continuations
@@ -47,6 +47,7 @@ from server.kv.scheduler.publisher import Publisher
 from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
+from server.kv.scheduler.saves import plan_saves
 from server.kv.scheduler.shifted import find_shifted, tokens_read
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
@@ -137,6 +138,7 @@ class SessionKVScheduler:
             self.index, self.policy, self.tails, self.sync,
             scan or FileScan(None, files=disk_files),  # type: ignore[arg-type]
             block_bytes=block_bytes, answered=self._ops.answered, on_files_done=on_files_indexed,
+            learn=self.continuations.learn_packed,
         )  # fmt: skip
         """Start-up work taken in steps: block files found on disk, registry snapshots."""
         if scan is None:
@@ -260,22 +262,13 @@ class SessionKVScheduler:
         return plan
 
     def _plan_saves(self, wanted: list[tuple[BlockRef, str]]) -> None:
-        keys = {k for _, k in wanted}
-        slots = self.index.alloc_slots(len(wanted), protect=keys)
-        redis = self.redis is not None
-        index = self.index
-        for (block_id, key), slot in zip(wanted, slots, strict=False):
-            # no disk eviction before the policy knows the registry's pins
-            room = index.disk_used + index.file_bytes <= index.disk_bytes
-            to_disk = (room or self._warm.policy_ready) and index.reserve_disk(protect=keys)
-            self.index.new_block(key, slot, to_disk)
-            self._plan.saves.append(SaveItem(block_id, key, slot, to_disk, redis))
-            if redis:
-                self._to_redis.add(key)
-        if len(slots) < len(wanted):
-            log.warning(
-                "RAM tier full of locked blocks: %d blocks not saved", len(wanted) - len(slots)
-            )
+        ready, redis = self._warm.policy_ready, self.redis is not None
+        saves = plan_saves(
+            self.index, wanted, self.continuations, policy_ready=ready, to_redis=redis
+        )
+        self._plan.saves += saves
+        if self.redis is not None:
+            self._to_redis.update(s.key for s in saves)
 
     # ------------------------------------------------------------------ reports
 

@@ -38,8 +38,9 @@ HOLD_S = 1.0
 
 class FileScan:
     """The disk tier's start-up scan (:meth:`DiskStore.iter_scan`) on a background thread,
-    handing chunks of (key, size) to the scheduler thread. When the session registry did
-    not exist before this start, the files are deleted instead (as
+    handing chunks of (key, size) to the scheduler thread, with each file's parent key and
+    token ids where its header page holds them (:attr:`tokens`: one 4 KiB read per file). When
+    the session registry did not exist before this start, the files are deleted instead (as
     :func:`forget_unregistered_files`). ``files``: a scan already done (tests)."""
 
     def __init__(
@@ -52,6 +53,8 @@ class FileScan:
     ) -> None:
         self.store = store
         self._chunks: collections.deque[list[tuple[str, int]]] = collections.deque()
+        self.tokens: dict[str, tuple[str, bytes]] = {}
+        """Key -> (parent key, packed token ids) of the files in the chunks not yet taken."""
         self._ended = store is None
         self.started = time.monotonic()
         if files:
@@ -69,6 +72,10 @@ class FileScan:
         try:
             for found in store.iter_scan(chunk):
                 if not missing:
+                    for key, _ in found:
+                        stored = store.read_tokens(key)
+                        if stored is not None:
+                            self.tokens[key] = stored
                     self._chunks.append(found)
                     continue
                 for key, _ in found:
@@ -115,12 +122,15 @@ class WarmUp:
         block_bytes: int,
         answered: Callable[[int], None],
         on_files_done: Callable[[], None] | None = None,
+        learn: Callable[[str, str, bytes], None] | None = None,
     ) -> None:
         self.index, self.policy, self.tails, self.sync = index, policy, tails, sync
         self.files = files
         self.block_bytes = block_bytes
         self._answered = answered
         self._on_files_done = on_files_done
+        self._learn = learn
+        """Takes (parent key, key, packed token ids) of a file indexed from the scan."""
         self._snapshots: collections.deque[Snapshot] = collections.deque()
         self._changes: dict[tuple[str, str], SessionChange] = {}
         self._items: Iterator[SnapshotItem] | None = None
@@ -282,6 +292,7 @@ class WarmUp:
             end = min(self._chunk_pos + 64, len(self._chunk))
             self.taken += end - self._chunk_pos
             for key, size in self._chunk[self._chunk_pos : end]:
+                stored = self.files.tokens.pop(key, None)
                 if key in skip:
                     skip.discard(key)  # dropped meanwhile: its file is gone or going
                     continue
@@ -292,6 +303,8 @@ class WarmUp:
                     index.removes.append(key)  # wrong size or over budget
                     continue
                 self.tails.learn(key)
+                if stored is not None and self._learn is not None:
+                    self._learn(stored[0], key, stored[1])
                 self.indexed += 1
                 if state is None:  # on disk only: published below, built on the registry thread
                     index.dirty.discard(key)

@@ -48,10 +48,48 @@ def block_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
     return HEAD.pack(REDIS_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
 
 
-def file_header(key: str, data: memoryview, rank: int | None = None) -> bytes:
-    """The header page of a block file (magic, key, length, CRC32, zeros to :data:`PAGE`)."""
+TOKENS = struct.Struct("<4sHHI")  # magic, parent key length, token count, crc32 of the rest
+TOKENS_MAGIC = b"TOKS"
+TOKENS_AT = 256
+"""Offset of the token section in a block file's header page (after the header and key)."""
+
+
+def token_section(parent: str, tokens: bytes) -> bytes:
+    """The block's token ids (``tokens``: packed little-endian uint32) and the key of the
+    block it continues, as a file's header page holds them; empty when they do not fit."""
+    pb = parent.encode()
+    body = pb + tokens
+    if len(pb) > 0xFFFF or len(tokens) // 4 > 0xFFFF or TOKENS_AT + TOKENS.size + len(body) > PAGE:
+        return b""
+    return TOKENS.pack(TOKENS_MAGIC, len(pb), len(tokens) // 4, zlib.crc32(body)) + body
+
+
+def file_tokens(head: bytes) -> tuple[str, bytes] | None:
+    """(parent key, packed token ids) from a block file's header page, or None: files written
+    without them (or before they were written) have zeros there, and a section that fails
+    its checksum counts as none."""
+    raw = head[TOKENS_AT:PAGE]
+    if len(raw) < TOKENS.size:
+        return None
+    magic, parent_len, count, crc = TOKENS.unpack_from(raw)
+    body = raw[TOKENS.size : TOKENS.size + parent_len + 4 * count]
+    if magic != TOKENS_MAGIC or len(body) != parent_len + 4 * count or zlib.crc32(body) != crc:
+        return None
+    return body[:parent_len].decode(errors="replace"), bytes(body[parent_len:])
+
+
+def file_header(
+    key: str, data: memoryview, rank: int | None = None, tokens: tuple[str, bytes] | None = None
+) -> bytes:
+    """The header page of a block file (magic, key, length, CRC32, zeros to :data:`PAGE`);
+    with ``tokens`` (parent key, packed token ids) their section at :data:`TOKENS_AT`, which
+    the checks of the header and payload ignore (they name and check the bytes only)."""
     kb = header_key_id(key, rank)
     head = HEAD.pack(FILE_MAGIC, len(kb), data.nbytes, zlib.crc32(data)) + kb
+    section = token_section(*tokens) if tokens else b""
+    if not section:
+        return head + bytes(PAGE - len(head))
+    head += bytes(TOKENS_AT - len(head)) + section
     return head + bytes(PAGE - len(head))
 
 

@@ -46,6 +46,7 @@ from server.kv.tiers.block_frame import (
     BlockFileError,
     check_file_header,
     file_header,
+    file_tokens,
     is_page_aligned,
     padding,
     write_direct,
@@ -100,11 +101,13 @@ class DiskStore:
         """The files of a block key, one per rank this store covers."""
         return [block_path(self.root, key, rank) for rank in self.ranks]
 
-    def write(self, key: str, payload: memoryview) -> None:
+    def write(self, key: str, payload: memoryview, tokens: tuple[str, bytes] | None = None) -> None:
         """Write a block atomically (temp file, fsync, rename). Raises OSError on failure.
 
         A page-aligned ``payload`` goes to the device with ``O_DIRECT`` where the file system
-        allows it; any other through the page cache (same bytes either way)."""
+        allows it; any other through the page cache (same bytes either way). ``tokens``: the
+        key of the block it continues and its packed token ids, kept in the header page
+        (:func:`read_tokens` gives them back after a restart)."""
         check_key(key)
         data = memoryview(payload).cast("B")
         if data.nbytes != self.manifest.block_bytes:
@@ -114,7 +117,7 @@ class DiskStore:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{key}"
-        head = file_header(key, data, self.rank)
+        head = file_header(key, data, self.rank, tokens)
         direct = self._direct and is_page_aligned(data)
         try:
             if direct:
@@ -133,7 +136,16 @@ class DiskStore:
             if not (direct and isinstance(e, OSError) and e.errno == errno.EINVAL):
                 raise
             self._no_direct(e)
-            self.write(key, payload)
+            self.write(key, payload, tokens)
+
+    def read_tokens(self, key: str) -> tuple[str, bytes] | None:
+        """(parent key, packed token ids) from the header page of the block's file (the
+        first rank's), or None: none written, or the file is missing or unreadable."""
+        try:
+            with open(self.paths(key)[0], "rb") as f:
+                return file_tokens(f.read(PAGE))
+        except OSError:
+            return None
 
     def read_into(self, key: str, out: memoryview) -> None:
         """Fill ``out`` (exactly one block of bytes) from the block's file, checking it.

@@ -63,12 +63,12 @@ class IOThread:
         """Queue a read (ahead of writes and removals)."""
         self._jobs.put_read(("read", read))
 
-    def write(self, key: str, data: torch.Tensor) -> None:
+    def write(self, key: str, data: torch.Tensor, tokens: tuple[str, bytes] | None = None) -> None:
         """Queue a disk write of ``data`` (a private copy: reads of ``key`` use it until the
-        file is written)."""
+        file is written); ``tokens``: its parent key and token ids, for the file's header."""
         with self._pending_lock:
             self._pending_writes[key] = data
-        self._jobs.put(("write", (key, data)))
+        self._jobs.put(("write", (key, data, tokens)))
 
     def redis_write(self, key: str, data: torch.Tensor) -> None:
         """Queue a Redis write of ``data``."""
@@ -150,10 +150,10 @@ class IOThread:
                 log.debug("KV block %s not written to redis: %s", key[:16], e)
                 self._done.put(("redis_failed", key))
         elif kind == "write" and store is not None:
-            key, data = payload  # type: ignore[misc]
+            key, data, tokens = payload  # type: ignore[misc]
             started = time.perf_counter()
             try:
-                store.write(key, memoryview(data.numpy()))
+                store.write(key, memoryview(data.numpy()), tokens)
                 self._done.put(("written", (key, time.perf_counter() - started)))
             except OSError as e:
                 log.warning("KV block %s not written to disk: %s", key[:16], e)

@@ -241,7 +241,9 @@ class SessionKVWorker:
                     continue
                 data = self.pool.copy_slot(item.slot)
                 if item.to_disk:
-                    self.io.write(item.key, data)
+                    self.io.write(
+                        item.key, data, (item.parent, item.tokens) if item.tokens else None
+                    )
                 if item.to_redis:
                     self.io.redis_write(item.key, data)
 

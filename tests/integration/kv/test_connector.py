@@ -174,8 +174,10 @@ def test_restart_reuses_disk_files(
     (got,) = run_engine_script(spec, tmp_path)
     assert got["tokens"] == STATE["ref"].tokens
     assert got["logprobs"] == pytest.approx(STATE["ref"].logprobs, abs=1e-3)
-    # a restarted engine knows the tail's key, not its tokens: whole blocks only (continuations)
-    assert got["num_cached_tokens"] == 3 * BLOCK
+    # a restarted engine learns each block file's token ids from its header page: the turn
+    # reads its tail up to the last shared token, as before the restart (whole blocks only,
+    # 3 * BLOCK, when the files did not keep them)
+    assert got["num_cached_tokens"] == len(STATE["prompt2"]) - 1
     reg = Registry(copy / "sessions.sqlite3")
     assert reg.stats()['lgkv_hit_blocks_total{tier="disk"}'] >= 3
     reg.close()

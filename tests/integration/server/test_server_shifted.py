@@ -131,3 +131,26 @@ def test_an_unknown_reuse_mode_is_refused(one_layer_server: ServerProcess) -> No
         r = _complete(c, one_layer_server.model, NEW, vllm_xargs={"lgkv_reuse": "fuzzy"})
     assert r.status_code == 400
     assert "lgkv_reuse must be one of exact, shifted" in r.text
+
+
+def test_after_a_restart_the_history_on_disk_is_loaded_shifted(
+    one_layer_server: ServerProcess,
+) -> None:
+    """The token ids of the session's blocks come back from their files' header pages after
+    a restart: the trimmed turn reads its history from disk at new positions, as recompute."""
+    server = one_layer_server
+    old = [rng.randrange(100, 40000) for _ in range(300)]
+    kept = [rng.randrange(100, 40000) for _ in range(500)]
+    with server.client() as c:
+        first = _complete(c, server.model, SYSTEM + old + kept, session_id="restarted")
+        assert _cached(first) <= len(SYSTEM)
+    server.restart()
+    trimmed = SYSTEM + kept + NEW
+    with server.client() as c:
+        shifted = _complete(c, server.model, trimmed, session_id="restarted")
+        assert _cached(shifted) == len(SYSTEM) + len(kept)
+        assert shifted.json()["kv_transfer_params"] == {"lgkv_shifted_tokens": len(kept)}
+        exact = {"lgkv_reuse": "exact"}
+        reference = _complete(c, server.model, trimmed, cache_salt="ref3", vllm_xargs=exact)
+        assert _cached(reference) == 0
+        assert shifted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]

@@ -231,3 +231,31 @@ def test_scan_deletes_this_layouts_folder_of_the_earlier_file_layout(
         assert store.scan() == {}
     assert not old.exists() and other.is_dir()
     assert "2 files in block file layout 1" in caplog.text
+
+
+def test_a_files_header_page_keeps_the_blocks_tokens_and_its_parent(tmp_path: Path) -> None:
+    """Token ids written with a block come back from its header page alone; the payload and
+    its checks are unchanged; a file written without them, or a damaged section, gives None."""
+    store = DiskStore(tmp_path, MANIFEST)
+    tokens = bytes(range(16))  # 4 packed ids
+    store.write(KEY, payload(3), ("root-salt", tokens))
+    assert store.read_tokens(KEY) == ("root-salt", tokens)
+    out = bytearray(64)
+    store.read_into(KEY, memoryview(out))
+    assert bytes(out) == bytes(payload(3))
+    assert store.path(KEY).stat().st_size == store.file_bytes
+    other = "cd" * 32
+    store.write(other, payload(4))
+    assert store.read_tokens(other) is None
+    assert store.read_tokens("ef" * 32) is None  # no file
+    raw = bytearray(store.path(KEY).read_bytes())
+    raw[280] ^= 1  # inside the token section (from byte 256 on)
+    store.path(KEY).write_bytes(bytes(raw))
+    assert store.read_tokens(KEY) is None
+    store.read_into(KEY, memoryview(out))  # the block itself still reads
+
+
+def test_tokens_that_do_not_fit_the_header_page_are_left_out(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, MANIFEST)
+    store.write(KEY, payload(5), ("p", bytes(4 * 1000)))  # 4,000 bytes: more than the page
+    assert store.read_tokens(KEY) is None

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from server.kv.registry.sql import SessionRow
+from server.kv.scheduler.continuations import Continuations
 from server.kv.scheduler.index import BlockIndex
 from server.kv.scheduler.policy import EvictionPolicy, group_snapshot
 from server.kv.scheduler.registry_sync import SessionChange, Snapshot
@@ -216,6 +217,36 @@ def test_files_come_in_a_bounded_amount_per_step(tmp_path: Path) -> None:
     assert len(index.disk_order) == len(index.blocks)
     assert sync.tiers == {k: (False, True, False, 16) for k in index.blocks}
     assert not warm.holding()
+
+
+def test_the_token_ids_of_files_found_at_start_are_learnt(tmp_path: Path) -> None:
+    """A restart learns each block file's parent and token ids from its header page, so reuse
+    up to a token and shifted reuse work on them; a file written without them teaches
+    nothing."""
+    store = DiskStore(tmp_path, MANIFEST)
+    store.write(key(1), memoryview(bytes(16)), ("root", bytes(range(16))))
+    store.write(key(2), memoryview(bytes(16)), (key(1), bytes(range(16, 32))))
+    store.write(key(3), memoryview(bytes(16)))
+    policy = EvictionPolicy(default_gap_s=60, min_gap_s=1, clock=Clock(1.7e9))
+    index = BlockIndex(
+        num_slots=4, file_bytes=store.file_bytes, disk_bytes=store.file_bytes * 10, policy=policy
+    )
+    (tmp_path / "registry-exists").touch()
+    learnt = Continuations(4)
+    warm = WarmUp(
+        index, policy, TailBook(4), _Sync(), FileScan(store, tmp_path / "registry-exists"),  # type: ignore[arg-type]
+        block_bytes=16, answered=lambda token: None, learn=learnt.learn_packed,
+    )  # fmt: skip
+    warm.add_snapshot(Snapshot([], [], first=True, last=True))
+    deadline = time.monotonic() + 30
+    while warm.pending() and time.monotonic() < deadline:
+        warm.step(0.01)
+        time.sleep(0.001)
+    assert set(index.blocks) == {key(1), key(2), key(3)}
+    assert learnt.stored(key(1)) == ("root", bytes(range(16)))
+    assert learnt.stored(key(2)) == (key(1), bytes(range(16, 32)))
+    assert learnt.stored(key(3)) is None
+    assert warm.files.tokens == {}  # handed over, nothing kept twice
 
 
 def test_missing_registry_deletes_the_files_in_the_background(tmp_path: Path) -> None:
