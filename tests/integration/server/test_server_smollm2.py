@@ -1,22 +1,20 @@
-"""End to end: the default model (SmolLM2-135M-Instruct) answers over HTTP, sensibly."""
+"""End to end: the default model (SmolLM2-135M-Instruct) answers over HTTP, sensibly (on the
+server the agent and chat tests share)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import ServerFactory
+    from tests.integration.conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
 
-def test_smollm2_answers_the_capital_of_france(
-    start_server: ServerFactory, smollm2_dir: Path
-) -> None:
-    server = start_server(model_dir=smollm2_dir, model="SmolLM2-135M-Instruct")
+def test_smollm2_answers_the_capital_of_france(smollm2_server: ServerProcess) -> None:
+    server = smollm2_server
     with server.client() as c:
         r = c.post(
             "/v1/chat/completions",
