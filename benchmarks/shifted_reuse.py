@@ -15,7 +15,9 @@ about a note the trim kept. Turn 2 runs three ways on the same server, greedy, 3
 Per window: the tokens of turn 2 that turn 1 held (``reusable``), the share of them read from
 the cache, TTFT p50 of each way, and against recompute: greedy continuations identical, the
 mean first divergence (32 when identical), the mean absolute logprob difference of the chosen
-tokens before it, and retrieval accuracy (the answer names the note's number). vLLM computes a
+tokens before it, and retrieval accuracy: the answer names the note's number, and (a probe this
+model can pass: it rarely answers such questions itself) the greedy continuation of the answer
+begun for it, ``The code of locker 17 is``, does. vLLM computes a
 prompt's tokens as a prefix, so the tokens after a seam cannot be recomputed while later ones
 are loaded: every seam here recomputes 0 tokens.
 
@@ -133,7 +135,14 @@ def conversation(http: httpx.Client, model: str, rng: random.Random, window: int
     # exact reuse can read only the prefix turn 2 shares with turn 1 (the system prompt), as
     # any other conversation's turn 1 holds it too (no salt): its own turn 1 is not run
     exact = complete(http, model, second, session_id=f"exact-{tag}-{window}-{index}")
-    off = complete(http, model, second, cache_salt=uuid.uuid4().hex)
+    salt = uuid.uuid4().hex
+    off = complete(http, model, second, cache_salt=salt)
+    # the answer begun for the model: each way's own turn-2 KV (vLLM's prefix cache, the salt)
+    start = {"model": model, "prompt": f"The code of {asked[0]} {asked[1]} is",
+             "add_special_tokens": False}  # fmt: skip
+    begun = list(http.post("/tokenize", json=start).json()["tokens"])
+    probe_on = complete(http, model, second + begun, 6, **shifted)
+    probe_off = complete(http, model, second + begun, 6, cache_salt=salt)
     reusable = _shared_runs(first, second)
     pairs = enumerate(zip(on.tokens, off.tokens, strict=False))
     diverge = next((i for i, (a, b) in pairs if a != b), min(len(on.tokens), len(off.tokens)))
@@ -144,7 +153,8 @@ def conversation(http: httpx.Client, model: str, rng: random.Random, window: int
             "exact_cached": exact.cached, "ttft": on.ttft_s, "ttft_exact": exact.ttft_s,
             "ttft_off": off.ttft_s, "same": on.tokens == off.tokens, "diverge": diverge,
             "lp": statistics.fmean(diffs) if diffs else 0.0,
-            "right": code in on.text, "right_off": code in off.text}  # fmt: skip
+            "right": code in on.text, "right_off": code in off.text,
+            "probe": code in probe_on.text, "probe_off": code in probe_off.text}  # fmt: skip
 
 
 def _shared_runs(first: list[int], second: list[int], ngram: int = 16) -> int:
@@ -200,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, float32, wall {time.perf_counter() - started:.0f}s; {cores}")
     print("| kept window | conversations | prompt (mean) | reusable | read shifted | read exact | "
           "TTFT p50 shifted / exact / recompute | speed-up | identical | first divergence | "
-          "mean abs logprob diff | retrieval shifted / recompute |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "mean abs logprob diff | retrieval shifted / recompute | "
+          "begun answer right, shifted / recompute |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for window, runs in rows:
         reusable = sum(r["reusable"] for r in runs)
         p50 = {k: statistics.median(r[k] for r in runs) for k in ("ttft", "ttft_exact", "ttft_off")}
@@ -215,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.fmean(r['diverge'] for r in runs):.1f} | "
               f"{statistics.fmean(r['lp'] for r in runs):.3f} | "
               f"{sum(r['right'] for r in runs) / len(runs):.2f} / "
-              f"{sum(r['right_off'] for r in runs) / len(runs):.2f} |")  # fmt: skip
+              f"{sum(r['right_off'] for r in runs) / len(runs):.2f} | "
+              f"{sum(r['probe'] for r in runs) / len(runs):.2f} / "
+              f"{sum(r['probe_off'] for r in runs) / len(runs):.2f} |")  # fmt: skip
     return 0
 
 
