@@ -15,7 +15,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 from server.config import ConfigError, ServerConfig, env_settings, settings_table
@@ -94,8 +94,16 @@ def config_from_argv(argv: Sequence[str], env: dict[str, str] | None = None) -> 
     return ServerConfig(**values)  # type: ignore[arg-type]
 
 
+def apply_wait_policy(config: ServerConfig, environ: MutableMapping[str, str]) -> None:
+    """``OMP_WAIT_POLICY`` from ``--omp-wait-policy`` (``vllm``: left alone), unless
+    ``environ`` already has one: libgomp reads it when torch loads it, so call this first."""
+    if config.omp_wait_policy != "vllm" and not environ.get("OMP_WAIT_POLICY"):
+        environ["OMP_WAIT_POLICY"] = config.omp_wait_policy.upper()
+
+
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT/SIGTERM, then stop the engine cleanly."""
+    apply_wait_policy(config, os.environ)  # before torch loads libgomp here or in a child
     import uvicorn
 
     from server.app import create_app

@@ -66,6 +66,8 @@ DEFAULT_TOOL_CALL_PARSER = "lgkv_hermes"
 DEFAULT_TOOL_STRICT_LEVEL = "parameter"
 KV_OFFLOAD_DTYPES = OFFLOAD_DTYPES
 """Accepted ``--kv-offload-dtype`` values (defined in :mod:`server.kv.formats`)."""
+OMP_WAIT_POLICIES = ("passive", "active", "vllm")
+"""Accepted ``--omp-wait-policy`` values."""
 
 
 def _default_cache_dir() -> Path:
@@ -315,8 +317,8 @@ class ServerConfig:
     )  # fmt: skip
     """``exact``: a prompt's exact prefix only (outputs identical to no cache). ``shifted``:
     also the session's tokens the prompt repeats at other positions (after a trim or summary),
-    keys re-rotated: approximate KV, X.
-    A request's ``vllm_xargs.lgkv_reuse`` overrides it."""
+    keys re-rotated: approximate KV (quality figures: docs/agents.md). A request's
+    ``vllm_xargs.lgkv_reuse`` overrides it."""
 
     kv_shift_min_run: int = setting(
         16, flag="--kv-shift-min-run", env="LGKV_KV_SHIFT_MIN_RUN", parse=parse_int,
@@ -371,6 +373,16 @@ class ServerConfig:
     ``response_format`` schemas are left alone). ``False``: vLLM's behaviour, the model's argmax
     among the tokens the grammar allows.
     Ignored when ``--logits-processors`` is passed through."""
+
+    omp_wait_policy: str = setting(
+        "passive", flag="--omp-wait-policy", env="LGKV_OMP_WAIT_POLICY", parse=parse_lower,
+        choices=OMP_WAIT_POLICIES, help="how the CPU forward pass's threads wait when idle",
+    )  # fmt: skip
+    """On CPU, ``OMP_WAIT_POLICY`` of the server's processes (a value already in the environment
+    wins): ``passive``, the model's OpenMP threads sleep between parallel regions, so the API
+    server, vLLM's scheduler and other clients' requests get the cores
+    (``benchmarks/wait_policy.py``); ``active``, they spin; ``vllm``, left unset (libgomp spins
+    a while, then sleeps), as plain vLLM runs."""
 
     vllm_args: tuple[str, ...] = setting((), help="any other vLLM flag, passed through")
     """Further vLLM engine/frontend flags, passed through unchanged

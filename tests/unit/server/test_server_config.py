@@ -269,3 +269,21 @@ def test_api_key_flag_repeats_and_keeps_every_key(tmp_path: Path) -> None:
 def test_parse_size_wants_the_whole_text(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_size(text, name="--kv-ram-bytes")
+
+
+def test_the_omp_wait_policy_is_passive_unless_the_environment_or_a_flag_says_otherwise() -> None:
+    from server.__main__ import apply_wait_policy
+
+    env: dict[str, str] = {}
+    apply_wait_policy(config_from_argv([], env={}), env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "active"}  # the user's own wins
+    apply_wait_policy(config_from_argv([], env={}), env)
+    assert env == {"OMP_WAIT_POLICY": "active"}
+    env = {}
+    apply_wait_policy(config_from_argv(["--omp-wait-policy", "vllm"], env={}), env)
+    assert env == {}  # left to libgomp, as plain vLLM
+    apply_wait_policy(config_from_argv([], env={"LGKV_OMP_WAIT_POLICY": "Active"}), env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    with pytest.raises(ConfigError, match="omp"):
+        config_from_argv(["--omp-wait-policy", "sleepy"], env={})
