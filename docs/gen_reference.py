@@ -24,21 +24,30 @@ sys.path.insert(0, str(ROOT))
 
 
 def _field_docs() -> dict[str, str]:
-    """Attribute docstrings of ServerConfig, read from the source."""
-    tree = ast.parse((ROOT / "server" / "config.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerConfig")
-    docs, last = {}, None
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            last = node.target.id
-        elif (
-            last
-            and isinstance(node, ast.Expr)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-        ):
-            docs[last] = " ".join(node.value.value.split())
-            last = None
+    """Attribute docstrings of ServerConfig and the classes it inherits fields from, read from
+    their sources."""
+    import inspect
+
+    from server.config import ServerConfig
+
+    docs: dict[str, str] = {}
+    for klass in ServerConfig.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(Path(inspect.getsourcefile(klass) or "").read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass.__name__)
+        last = None
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                last = node.target.id
+            elif (
+                last
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                docs[last] = " ".join(node.value.value.split())
+                last = None
     return docs
 
 
