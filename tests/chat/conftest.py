@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from langgraph_kvcache import ChatKVCache
+
 
 @dataclass
 class ChatReply:
@@ -256,3 +258,10 @@ def recorder(_recording_server: RecordingServer) -> RecordingServer:
     """The session's recording server, emptied of requests and queued answers for this test."""
     _recording_server.reset()
     return _recording_server
+
+
+@pytest.fixture
+def model(recorder: Any) -> ChatKVCache:
+    # Async tests share the session's event loop: langchain-openai caches one async HTTP client
+    # per process, and a client cannot outlive the loop it first ran on.
+    return ChatKVCache(base_url=f"{recorder.url}/v1", max_retries=0)
