@@ -82,10 +82,8 @@ class Continuations:
 
     def learn(self, parent: str, key: str, tokens: Sequence[int]) -> None:
         """Note that block ``key`` (full or tail) continues ``parent`` with ``tokens``."""
-        children = self._children.setdefault(parent, {})
-        if key in children:
-            return
-        self.learn_packed(parent, key, _packed(tokens))
+        if not self.knows(parent, key):  # pack only what is new
+            self.learn_packed(parent, key, _packed(tokens))
 
     def learn_packed(self, parent: str, key: str, tokens: bytes) -> None:
         """:meth:`learn` with the token ids packed (as a block file's header keeps them)."""

@@ -57,8 +57,8 @@ def plan_load(
         and block_ids[lookup.start + offset] != NULL_BLOCK  # skipped: never read
         and index.blocks.get(k, _NO_STATE).slot == NO_SLOT
     ]
-    sources = {s.key: None for block in shifted for s in block}
-    protect = set(keys) | sources.keys()  # an eviction for a promotion never takes a source
+    sources = list(dict.fromkeys(s.key for block in shifted for s in block))
+    protect = {*keys, *sources}  # an eviction for a promotion never takes a source
     promote = index.alloc_slots(len(unslotted), protect=protect)
     items: list[LoadItem] = []
     for offset, (key, tier) in enumerate(zip(keys, tiers, strict=True)):
@@ -76,10 +76,7 @@ def plan_load(
         slot = NO_SLOT
         state = index.blocks.get(key)
         if promote and (state is None or state.slot == NO_SLOT):
-            slot = promote.pop()
-            state = index.ensure(key)
-            state.slot, state.ram_ready = slot, False
-            state.locks += 1
+            slot = _promote(index, key, promote.pop())
         items.append(LoadItem(block_id, key, slot, tier, kind == "tail"))
     for slot in promote:  # not needed after all
         index.free_slots.append(slot)
@@ -88,26 +85,37 @@ def plan_load(
     is_async = is_async or (lookup.shifted is not None and lookup.shifted.disk)
     first = lookup.start + len(keys)
     moved, used = _plan_shifted(
-        index, publisher, shifted, block_ids[first : first + len(shifted)], protect
+        index, publisher, shifted, sources, block_ids[first : first + len(shifted)], protect
     )
     return LoadJob(request_id, tuple(items), is_async, moved, used)
+
+
+def _promote(index: BlockIndex, key: str, slot: int) -> int:
+    """Give block ``key`` RAM slot ``slot`` for a read from disk or Redis, locked until the
+    worker reports it (the next turn then finds the block in RAM); returns ``slot``."""
+    state = index.ensure(key)
+    state.slot, state.ram_ready = slot, False
+    state.locks += 1
+    return slot
 
 
 def _plan_shifted(
     index: BlockIndex,
     publisher: Publisher,
     blocks: tuple[tuple[Segment, ...], ...],
+    keys: list[str],
     block_ids: list[BlockRef],
     protect: set[str],
 ) -> tuple[tuple[ShiftItem, ...], tuple[ShiftSource, ...]]:
-    """The shifted blocks' items on ``block_ids``, and their sources: a RAM one locked once,
+    """The shifted blocks' items on ``block_ids``, and their sources (``keys``: each stored
+    block they read, once, in first use order): a RAM one locked once,
     one on disk read into a promoted slot (locked) or, with no slot free, a temporary buffer
     (as looked up this step: RAM-ready or on disk)."""
     if not blocks:
         return (), ()
     number: dict[str, int] = {}
     sources: list[ShiftSource] = []
-    for key in dict.fromkeys(s.key for block in blocks for s in block):
+    for key in keys:
         state = index.blocks[key]
         index.touch(key)
         number[key] = len(sources)
@@ -119,9 +127,7 @@ def _plan_shifted(
         if state.slot == NO_SLOT:
             promote = index.alloc_slots(1, protect=protect)
             if promote:
-                slot = state.slot = promote[0]
-                state.ram_ready = False
-                state.locks += 1
+                slot = _promote(index, key, promote[0])
         sources.append(ShiftSource(key, slot, "disk"))
     items = tuple(
         ShiftItem(

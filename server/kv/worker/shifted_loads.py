@@ -72,8 +72,13 @@ class ShiftedLoads:
         """Fill ``job``'s shifted blocks (its sources read; ``failed``: the numbers of those
         whose read failed); the paged blocks not filled, a miss and never an exception: vLLM
         computes them. Why shifted loads cannot run here is logged once."""
-        items = [i for i in job.shifted if all(s.source not in failed for s in i.segments)]
-        missed = [i.block_id for i in job.shifted if i not in items]
+        items: list[ShiftItem] = []
+        missed: list[BlockRef] = []
+        for item in job.shifted:
+            if any(s.source in failed for s in item.segments):
+                missed.append(item.block_id)
+            else:
+                items.append(item)
         try:
             if not self.ready or pool is None:
                 raise RuntimeError(self.reason or "no RAM tier")
