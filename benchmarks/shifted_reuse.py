@@ -19,11 +19,24 @@ tokens before it, and retrieval accuracy: the answer names the note's number, an
 model can pass: it rarely answers such questions itself) the greedy continuation of the answer
 begun for it, ``The code of locker 17 is``, does. vLLM computes a
 prompt's tokens as a prefix, so the tokens after a seam cannot be recomputed while later ones
-are loaded: every seam here recomputes 0 tokens.
+are loaded: in the table above the seam recomputes 0 tokens.
+
+``--seam-tokens K ...`` measures what recomputing the first K tokens after the seam would
+give, in two passes per turn 2 (a client-side stand-in for a runner that recomputes them in
+the same forward): first the prompt up to the seam and K tokens past it, one token generated,
+under a session of its own (no history: it loads nothing shifted, and turn 1 stays the
+session's last path), which reads the exact prefix and computes the K tokens with the new
+context before them; then turn 2 whole, which reads those K tokens exactly (the first pass's
+blocks and tail) and the rest of the kept history shifted. Each K gets its own turn 1 under
+its own ``cache_salt`` (turn 2's blocks of one K never feed another). One table row per
+(window, K): greedy identity,
+first divergence, logprob difference and retrieval against recompute, the tokens read
+shifted, and TTFT of turn 2 alone and of both passes together.
 
     python benchmarks/shifted_reuse.py                   # SmolLM2-135M, 100 + 30 conversations
     python benchmarks/shifted_reuse.py --quick           # 10 conversations, one window
     python benchmarks/shifted_reuse.py --model tiny      # a 2-layer random-weight Llama
+    python benchmarks/shifted_reuse.py --windows 2000 --conversations 30 --seam-tokens 0 1 4 16 64
 """
 
 from __future__ import annotations
@@ -110,9 +123,25 @@ def complete(
     return Answer(tokens, logprobs, first, cached)
 
 
-def conversation(http: httpx.Client, model: str, rng: random.Random, window: int,
-                 tag: str, index: int) -> dict[str, Any]:  # fmt: skip
-    """One conversation's turn 1, then turn 2 three ways; its figures."""
+@dataclass
+class Case:
+    """One conversation: turn 1 (every note and a question) and turn 2 (the trimmed history
+    and a question about a kept note), as token ids; the note asked and its begun answer."""
+
+    first: list[int]
+    second: list[int]
+    asked: tuple[str, str, int]
+    begun: list[int]
+
+    @property
+    def seam(self) -> int:
+        """Tokens turn 2 shares with turn 1 from the start (the system prompt, the template)."""
+        pairs = zip(self.first, self.second, strict=False)
+        return next((i for i, (a, b) in enumerate(pairs) if a != b), len(self.second))
+
+
+def make_case(http: httpx.Client, model: str, rng: random.Random, window: int) -> Case:
+    """Draw a conversation whose turn 2 keeps the last notes that fit ``window`` tokens."""
     history = notes(rng, 80)
 
     def tokenize(msgs: list[dict]) -> list[int]:
@@ -126,35 +155,77 @@ def conversation(http: httpx.Client, model: str, rng: random.Random, window: int
             break
         kept += 1
     asked = rng.choice(history[-kept:])
-    first = tokenize(messages(history, history[0]))
-    second = tokenize(messages(history[-kept:], asked))
-    session = f"shift-{tag}-{window}-{index}"
-    shifted = {"session_id": session, "vllm_xargs": {"lgkv_reuse": "shifted"}}
-    complete(http, model, first, 1, **shifted)
-    on = complete(http, model, second, **shifted)
-    # exact reuse can read only the prefix turn 2 shares with turn 1 (the system prompt), as
-    # any other conversation's turn 1 holds it too (no salt): its own turn 1 is not run
-    exact = complete(http, model, second, session_id=f"exact-{tag}-{window}-{index}")
-    salt = uuid.uuid4().hex
-    off = complete(http, model, second, cache_salt=salt)
-    # the answer begun for the model: each way's own turn-2 KV (vLLM's prefix cache, the salt)
+    # the answer begun for the model, a probe of retrieval it can pass
     start = {"model": model, "prompt": f"The code of {asked[0]} {asked[1]} is",
              "add_special_tokens": False}  # fmt: skip
     begun = list(http.post("/tokenize", json=start).json()["tokens"])
-    probe_on = complete(http, model, second + begun, 6, **shifted)
-    probe_off = complete(http, model, second + begun, 6, cache_salt=salt)
-    reusable = _shared_runs(first, second)
+    first = tokenize(messages(history, history[0]))
+    return Case(first, tokenize(messages(history[-kept:], asked)), asked, begun)
+
+
+def against(on: Answer, off: Answer, code: str) -> dict[str, Any]:
+    """``on`` against recompute's ``off``: identity, first divergence, logprob difference."""
     pairs = enumerate(zip(on.tokens, off.tokens, strict=False))
     diverge = next((i for i, (a, b) in pairs if a != b), min(len(on.tokens), len(off.tokens)))
     same = zip(on.logprobs[:diverge], off.logprobs[:diverge], strict=False)
     diffs = [abs(a - b) for a, b in same]
-    code = str(asked[2])
-    return {"prompt": len(second), "reusable": reusable, "cached": on.cached,
+    return {"same": on.tokens == off.tokens, "diverge": diverge, "right": code in on.text,
+            "lp": statistics.fmean(diffs) if diffs else 0.0}  # fmt: skip
+
+
+def conversation(http: httpx.Client, model: str, case: Case, tag: str) -> dict[str, Any]:
+    """One conversation's turn 1, then turn 2 three ways; its figures."""
+    first, second, code = case.first, case.second, str(case.asked[2])
+    shifted = {"session_id": f"shift-{tag}", "vllm_xargs": {"lgkv_reuse": "shifted"}}
+    complete(http, model, first, 1, **shifted)
+    on = complete(http, model, second, **shifted)
+    # exact reuse can read only the prefix turn 2 shares with turn 1 (the system prompt), as
+    # any other conversation's turn 1 holds it too (no salt): its own turn 1 is not run
+    exact = complete(http, model, second, session_id=f"exact-{tag}")
+    salt = uuid.uuid4().hex
+    off = complete(http, model, second, cache_salt=salt)
+    # the answer begun for the model: each way's own turn-2 KV (vLLM's prefix cache, the salt)
+    probe_on = complete(http, model, second + case.begun, 6, **shifted)
+    probe_off = complete(http, model, second + case.begun, 6, cache_salt=salt)
+    return {"prompt": len(second), "reusable": _shared_runs(first, second), "cached": on.cached,
             "exact_cached": exact.cached, "ttft": on.ttft_s, "ttft_exact": exact.ttft_s,
-            "ttft_off": off.ttft_s, "same": on.tokens == off.tokens, "diverge": diverge,
-            "lp": statistics.fmean(diffs) if diffs else 0.0,
-            "right": code in on.text, "right_off": code in off.text,
+            "ttft_off": off.ttft_s, **against(on, off, code), "right_off": code in off.text,
             "probe": code in probe_on.text, "probe_off": code in probe_off.text}  # fmt: skip
+
+
+def seam_runs(http: httpx.Client, model: str, case: Case, ks: list[int], tag: str) -> list[dict]:
+    """Turn 2 with the first ``k`` tokens after the seam recomputed, for each ``k`` of ``ks``
+    (two passes; module docstring); one figure dict per ``k``, against one recompute."""
+    salt = uuid.uuid4().hex
+    off = complete(http, model, case.second, cache_salt=salt)
+    probe_off = complete(http, model, case.second + case.begun, 6, cache_salt=salt)
+    code, out = str(case.asked[2]), []
+    for k in ks:
+        own = {"cache_salt": uuid.uuid4().hex, "vllm_xargs": {"lgkv_reuse": "shifted"}}
+        session = f"seam-{tag}-k{k}"
+        complete(http, model, case.first, 1, session_id=session, **own)
+        pre_s = 0.0
+        if k:
+            started = time.perf_counter()
+            complete(http, model, case.second[: case.seam + k], 1, session_id=f"{session}-pre",
+                     **own)  # fmt: skip
+            pre_s = time.perf_counter() - started
+        before = shifted_tokens(http)
+        on = complete(http, model, case.second, session_id=session, **own)
+        moved = shifted_tokens(http) - before
+        probe = complete(http, model, case.second + case.begun, 6, session_id=session, **own)
+        out.append({"k": k, "cached": on.cached, "moved": moved, "ttft": on.ttft_s,
+                    "ttft_both": pre_s + on.ttft_s, "ttft_off": off.ttft_s,
+                    **against(on, off, code), "right_off": code in off.text,
+                    "probe": code in probe.text, "probe_off": code in probe_off.text})  # fmt: skip
+    return out
+
+
+def shifted_tokens(http: httpx.Client) -> float:
+    """The server's ``lgkv_hit_shifted_tokens_total``: tokens loaded at moved positions."""
+    text = http.get("/metrics").text
+    lines = (ln for ln in text.splitlines() if ln.startswith("lgkv_hit_shifted_tokens_total"))
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 def _shared_runs(first: list[int], second: list[int], ngram: int = 16) -> int:
@@ -179,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="kept history in tokens (2000 500)")  # fmt: skip
     ap.add_argument("--conversations", type=int, nargs="+", default=None,
                     help="conversations per window (100 30)")  # fmt: skip
+    ap.add_argument("--seam-tokens", type=int, nargs="+", default=None, metavar="K",
+                    help="tokens recomputed after the seam: a curve (0 1 4 16 64)")  # fmt: skip
     ap.add_argument("--reserved-cpus", type=int, default=0)
     args = ap.parse_args(argv)
     windows = args.windows or ([1000] if args.quick else [2000, 500])
     counts = args.conversations or ([10] if args.quick else [100, 30])
+    ks = sorted(set(args.seam_tokens or ()))
     if args.model == "tiny":
         model = build_tiny_model(default_cache_dir() / "models" / "tiny-llama-std01",
                                  tokenizer_from=build_default_model(), std=0.1)  # fmt: skip
@@ -201,13 +275,38 @@ def main(argv: list[str] | None = None) -> int:
             rng = random.Random(window)
             runs = []
             for i in range(count):
-                runs.append(conversation(http, name, rng, window, tag, i))
+                case = make_case(http, name, rng, window)
+                if ks:
+                    runs += seam_runs(http, name, case, ks, f"{tag}-{window}-{i}")
+                else:
+                    runs.append(conversation(http, name, case, f"{tag}-{window}-{i}"))
                 if (i + 1) % 10 == 0:
                     say(f"window {window}: {i + 1}/{count} conversations")
             rows.append((window, runs))
         cores = server.omp_cores()
     print()
-    print(f"{args.model}, float32, wall {time.perf_counter() - started:.0f}s; {cores}")
+    print(f"{args.model}, float32, wall {time.perf_counter() - started:.0f}s; {cores}; "
+          f"flags {' '.join(flags)}")  # fmt: skip
+    if ks:
+        print_curve(rows, ks)
+    else:
+        print_windows(rows)
+    return 0
+
+
+def _share(runs: list[dict], key: str) -> str:
+    return f"{sum(r[key] for r in runs) / len(runs):.2f}"
+
+
+def _quality(runs: list[dict]) -> str:
+    """Identical, first divergence, logprob difference, retrieval and begun-answer cells."""
+    return (f"{_share(runs, 'same')} | {statistics.fmean(r['diverge'] for r in runs):.1f} | "
+            f"{statistics.fmean(r['lp'] for r in runs):.3f} | "
+            f"{_share(runs, 'right')} / {_share(runs, 'right_off')} | "
+            f"{_share(runs, 'probe')} / {_share(runs, 'probe_off')} |")  # fmt: skip
+
+
+def print_windows(rows: list[tuple[int, list[dict]]]) -> None:
     print("| kept window | conversations | prompt (mean) | reusable | read shifted | read exact | "
           "TTFT p50 shifted / exact / recompute | speed-up | identical | first divergence | "
           "mean abs logprob diff | retrieval shifted / recompute | "
@@ -222,14 +321,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(r['exact_cached'] for r in runs) / reusable:.2f} | "
               f"{p50['ttft'] * 1000:.0f} / {p50['ttft_exact'] * 1000:.0f} / "
               f"{p50['ttft_off'] * 1000:.0f} ms | {p50['ttft_off'] / p50['ttft']:.1f}x | "
-              f"{sum(r['same'] for r in runs) / len(runs):.2f} | "
-              f"{statistics.fmean(r['diverge'] for r in runs):.1f} | "
-              f"{statistics.fmean(r['lp'] for r in runs):.3f} | "
-              f"{sum(r['right'] for r in runs) / len(runs):.2f} / "
-              f"{sum(r['right_off'] for r in runs) / len(runs):.2f} | "
-              f"{sum(r['probe'] for r in runs) / len(runs):.2f} / "
-              f"{sum(r['probe_off'] for r in runs) / len(runs):.2f} |")  # fmt: skip
-    return 0
+              f"{_quality(runs)}")  # fmt: skip
+
+
+def print_curve(rows: list[tuple[int, list[dict]]], ks: list[int]) -> None:
+    print("| kept window | K recomputed after the seam | conversations | read (mean) | "
+          "read shifted (mean) | TTFT p50 turn 2 / both passes / recompute | identical | "
+          "first divergence | mean abs logprob diff | retrieval shifted / recompute | "
+          "begun answer right, shifted / recompute |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for window, all_runs in rows:
+        for k in ks:
+            runs = [r for r in all_runs if r["k"] == k]
+            p50 = {key: statistics.median(r[key] for r in runs)
+                   for key in ("ttft", "ttft_both", "ttft_off")}  # fmt: skip
+            print(f"| {window} | {k} | {len(runs)} | "
+                  f"{statistics.fmean(r['cached'] for r in runs):.0f} | "
+                  f"{statistics.fmean(r['moved'] for r in runs):.0f} | "
+                  f"{p50['ttft'] * 1000:.0f} / {p50['ttft_both'] * 1000:.0f} / "
+                  f"{p50['ttft_off'] * 1000:.0f} ms | {_quality(runs)}")  # fmt: skip
 
 
 if __name__ == "__main__":

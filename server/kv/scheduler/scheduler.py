@@ -174,7 +174,7 @@ class SessionKVScheduler:
             session_keys = self.policy.keys_of(*tracked.session)
             shifted = find_shifted(request, self.continuations, session_keys, start + len(keys),
                                    self.block_size, self.settings.shift_min_run,
-                                   self.index.tier_of)  # fmt: skip
+                                   self.index.tier_of, tail)  # fmt: skip
         if shifted is not None and shifted.tokens > (tail.tokens if tail else 0):
             tail = None  # the session's tokens at other positions fill more
         else:

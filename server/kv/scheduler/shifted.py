@@ -36,7 +36,7 @@ from typing import Any
 
 from server.kv.keys import parse_tail_key
 from server.kv.scheduler.continuations import Continuations, shared_tokens
-from server.kv.scheduler.tails import parent_of, prompt_token_ids
+from server.kv.scheduler.tails import TailHit, parent_of, prompt_token_ids
 
 _CANDIDATES = 8
 """Occurrences of a run's first tokens compared before the longest is taken."""
@@ -127,18 +127,21 @@ def plan_blocks(
     blocks: list[str],
     block_size: int,
     usable: Callable[[str], bool],
+    head: Segment | None = None,
 ) -> tuple[tuple[Segment, ...], ...]:
-    """Paged blocks from the runs (the first run starts on a block boundary): per block its
-    segments, split where a run or a stored block ends; the last block holds what the runs
-    cover of it. Stops before the first block with a source ``usable(key)`` denies."""
+    """Paged blocks from the runs: per block its segments, split where a run or a stored block
+    ends; the last block holds what the runs cover of it. The first run starts on a block
+    boundary, or ``head.count`` tokens past one when ``head`` (the block's first tokens, read
+    in place: the exact match's last block in part) fills them. Stops before the first block
+    with a source ``usable(key)`` denies."""
     if not runs:
         return ()
-    start = runs[0][0]
+    start = runs[0][0] - (head.count if head is not None else 0)
     covered = runs[-1][0] + runs[-1][2] - start
     out: list[tuple[Segment, ...]] = []
     for b in range(-(-covered // block_size)):
         lo, hi = start + b * block_size, start + (b + 1) * block_size
-        segments: list[Segment] = []
+        segments: list[Segment] = [head] if b == 0 and head is not None else []
         for dst, src, count in runs:
             a, z = max(lo, dst), min(hi, dst + count)
             while a < z:
@@ -161,25 +164,36 @@ def find_shifted(
     block_size: int,
     min_run: int,
     tier_of: Callable[[str], str | None],
+    part: TailHit | None = None,
 ) -> ShiftedHit | None:
     """The request's shifted hit from its paged block ``first`` on (its first ``first``
     blocks are computed or loaded exactly; ``session_keys``: its session's block list;
-    ``tier_of``: where a block is, "ram" and "disk" serve), or None."""
+    ``tier_of``: where a block is, "ram" and "disk" serve), or None.
+
+    ``part``: the exact match's last block in part (a tail, or a stored block shared up to a
+    token), for block ``first``: the runs then start where it ends, and the hit's first block
+    reads its tokens in place. A seam a few tokens into a block (fewer than ``min_run``: with
+    16-token blocks, nearly every seam) is found so, and so are tokens recomputed after a seam
+    by an earlier request (its tail)."""
     token_ids = prompt_token_ids(request)
     if token_ids is None or not session_keys:
         return None
     stored, blocks = session_path(continuations, parent_of(request, 0), session_keys, block_size)
     if not stored:
         return None
-    start = first * block_size
+    usable = ("ram", "disk")
+    head = None
+    if part is not None and part.index == first and part.tier in usable and part.tokens:
+        head = Segment(part.key, 0, 0, part.tokens, 0)
+    start = first * block_size + (head.count if head is not None else 0)
     end = request.num_tokens - 1  # vLLM computes at least one token
     if end - start < min_run:
         return None
     prompt = Continuations.packed(token_ids[:end])
     runs = find_runs(stored, prompt, start, end, min_run)
-    planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) in ("ram", "disk"))
+    planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) in usable, head)
     tokens = sum(s.count for block in planned for s in block)
-    if tokens < min_run:
+    if tokens - (head.count if head is not None else 0) < min_run:
         return None
     disk = any(tier_of(s.key) != "ram" for block in planned for s in block)
     return ShiftedHit(first, planned, tokens, disk)

@@ -154,3 +154,33 @@ def test_after_a_restart_the_history_on_disk_is_loaded_shifted(
         reference = _complete(c, server.model, trimmed, cache_salt="ref3", vllm_xargs=exact)
         assert _cached(reference) == 0
         assert shifted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+
+
+def test_a_seam_inside_a_block_and_tokens_recomputed_after_it_by_an_earlier_request(
+    one_layer_server: ServerProcess,
+) -> None:
+    """The exact match's last block in part leads the shifted hit. A seam 2 tokens into a
+    128-token block (fewer than ``--kv-shift-min-run``) is found: the block's first tokens are
+    read in place, the kept history after them shifted. And tokens an earlier request computed
+    after the seam (a prefill of the trimmed prompt's start under another session: its tail)
+    are read exactly, only the rest shifted."""
+    server = one_layer_server
+    system = SYSTEM + [rng.randrange(100, 40000) for _ in range(90)]  # 130: 2 into block 1
+    exact = {"lgkv_reuse": "exact"}
+    with server.client() as c:
+        for session, recomputed in (("seam", 0), ("seam-recomputed", 20)):
+            old = [rng.randrange(100, 40000) for _ in range(300)]
+            kept = [rng.randrange(100, 40000) for _ in range(500)]
+            _complete(c, server.model, system + old + kept, session_id=session)
+            if recomputed:
+                pre = _complete(c, server.model, system + kept[:recomputed], max_tokens=1,
+                                session_id=f"{session}-pre")  # fmt: skip
+                assert _cached(pre) == len(system)  # turn 1's block 1 shared up to the seam
+            trimmed = system + kept + NEW
+            shifted = _complete(c, server.model, trimmed, session_id=session)
+            assert _cached(shifted) == len(system) + len(kept), session
+            moved = {"lgkv_shifted_tokens": len(kept) - recomputed}
+            assert shifted.json()["kv_transfer_params"] == moved, session
+            ref = _complete(c, server.model, trimmed, cache_salt=session, vllm_xargs=exact)
+            assert _cached(ref) == 0
+            assert shifted.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]

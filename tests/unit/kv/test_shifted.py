@@ -43,6 +43,23 @@ def test_blocks_split_where_a_run_or_a_stored_block_ends_and_stop_where_no_tier_
     assert plan_blocks(runs[:1], blocks, BS, lambda key: True) == ((Segment("b0", 0, 0, 5, 0),),)
 
 
+def test_a_seam_inside_a_block_starts_the_runs_after_the_exact_part_of_that_block() -> None:
+    # the exact match ends 2 tokens into block 1 (a seam there): runs of 4 tokens or more
+    # from the block's start find nothing, runs from the seam find the kept history
+    system, old, kept, new = _ids(1000, 10), _ids(2000, 7), _ids(3000, 12), _ids(4000, 6)
+    stored = Continuations.packed(system + old + kept)
+    prompt = Continuations.packed(system + kept + new)
+    assert find_runs(stored, prompt, BS, len(system + kept), min_run=4) == []
+    runs = find_runs(stored, prompt, 10, len(system + kept), min_run=4)
+    assert runs == [(10, 17, 12)]
+    head = Segment("tail", 0, 0, 2, 0)  # block 1's first 2 tokens, read in place
+    planned = plan_blocks(runs, ["b0", "b1", "b2", "b3"], BS, lambda key: True, head)
+    assert planned == (
+        (head, Segment("b2", 1, 2, 6, -7)),  # stored 17..22 -> 10..15
+        (Segment("b2", 7, 0, 1, -7), Segment("b3", 0, 1, 5, -7)),  # the last block in part
+    )
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm._custom_ops")
 
