@@ -6,8 +6,8 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-# `make test` runs two pytest-xdist workers (19 minutes on 2 cores; serially, TEST_WORKERS=0,
-# 27). tests/conftest.py's scheduler runs each group whole on one worker: a module, or the
+# `make test` runs two pytest-xdist workers (14 to 21 minutes on 2 cores, fresh clones on
+# 2026-12-07, as the machine's speed varies; serially, TEST_WORKERS=0, 27). tests/conftest.py's scheduler runs each group whole on one worker: a module, or the
 # modules that share an in-process engine or a server, longest groups first (xdist's own
 # loadgroup split every module across the workers until 2026-12-07; see
 # pytest_xdist_make_scheduler there).
