@@ -126,7 +126,8 @@ class Continuations:
     ) -> TailHit | None:
         """The stored block that continues the request's first ``full_blocks`` blocks with
         the most of its next tokens (fewer than a block; at most ``num_tokens - 1`` counted in
-        all). A block outside RAM must spare at least an eighth of a block to be worth a read."""
+        all). Whether it is worth a read is the lookup's call
+        (:func:`~server.kv.scheduler.shifted.tail_or_shifted`)."""
         token_ids = prompt_token_ids(request)
         if token_ids is None:
             return None
@@ -136,9 +137,7 @@ class Continuations:
         found = self.longest(
             parent_of(request, full_blocks), list(token_ids[start : start + bs]), room, tier_of
         )
-        if found is None or (found[2] != "ram" and found[1] < bs // 8):
-            return None
-        return TailHit(found[0], full_blocks, found[1], found[2])
+        return None if found is None else TailHit(found[0], full_blocks, found[1], found[2])
 
     def session_blocks(
         self, request: Any, path: list[str], old: list[str], limit: int

@@ -27,6 +27,7 @@ start's block files and registry snapshots are taken a few milliseconds per step
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from server.kv.scheduler.redis_lookups import RedisLookups
 from server.kv.scheduler.registry_sync import Done, Dropped, RegistrySync, SessionChange, Snapshot
 from server.kv.scheduler.requests import Lookup, Tracked, track
 from server.kv.scheduler.saves import plan_saves
-from server.kv.scheduler.shifted import find_shifted, tokens_read
+from server.kv.scheduler.shifted import find_shifted, tail_or_shifted, tokens_read
 from server.kv.scheduler.tails import TailBook
 from server.kv.scheduler.warm_up import FileScan, WarmUp
 from server.kv.settings import ConnectorSettings
@@ -166,19 +167,16 @@ class SessionKVScheduler:
         keys, tiers, tier_of = found_blocks
         misses = max(0, end - start - len(keys))
         tail = self.tails.find(request, start + len(keys), tier_of)
+        # a block shared up to a token inside it (a rewind, a fork), or the session's tokens
+        # at other positions (shifted reuse, asked for), whichever fills the most
         partial = self.continuations.find(request, start + len(keys), tier_of)
-        if partial is not None and (tail is None or partial.tokens > tail.tokens):
-            tail = partial  # a block shared up to a token inside it: a rewind, a fork
-        shifted = None
+        shift = None
         if tracked.shifted and tracked.session is not None and self.index.num_slots:
-            session_keys = self.policy.keys_of(*tracked.session)
-            shifted = find_shifted(request, self.continuations, session_keys, start + len(keys),
-                                   self.block_size, self.settings.shift_min_run,
-                                   self.index.tier_of, tail)  # fmt: skip
-        if shifted is not None and shifted.tokens > (tail.tokens if tail else 0):
-            tail = None  # the session's tokens at other positions fill more
-        else:
-            shifted = None
+            shift = functools.partial(find_shifted, request, self.continuations,
+                                      self.policy.keys_of(*tracked.session), start + len(keys),
+                                      self.block_size, self.settings.shift_min_run,
+                                      self.index.tier_of)  # fmt: skip
+        tail, shifted = tail_or_shifted(tail, partial, shift, self.block_size)
         self._lookups[request.request_id] = Lookup(start, keys, tiers, misses, tail, shifted)
         if not keys and tail is None and shifted is None:
             return 0, False

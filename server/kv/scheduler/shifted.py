@@ -199,6 +199,27 @@ def find_shifted(
     return ShiftedHit(first, planned, tokens, disk)
 
 
+def tail_or_shifted(
+    tail: TailHit | None,
+    partial: TailHit | None,
+    shift: Callable[[TailHit | None], ShiftedHit | None] | None,
+    block_size: int,
+) -> tuple[TailHit | None, ShiftedHit | None]:
+    """The lookup's last step, after its whole blocks: a saved ``tail``, a stored block
+    shared up to a token (``partial``), or a shifted hit (``shift``, given the better of the
+    two to lead its first block), whichever fills the most. A partial block outside RAM that
+    spares fewer than an eighth of a block is not worth a read on its own; it may still lead
+    a shifted hit (a seam a few tokens into a block the session left on disk)."""
+    best = tail
+    if partial is not None and (tail is None or partial.tokens > tail.tokens):
+        best = partial
+    shifted = shift(best) if shift is not None else None
+    if shifted is not None and shifted.tokens > (best.tokens if best else 0):
+        return None, shifted
+    small = partial is not None and partial.tier != "ram" and partial.tokens < block_size // 8
+    return (tail if best is partial and small else best), None
+
+
 def tokens_read(request: Any, moved: list[int], exact_tokens: int, block_size: int) -> int:
     """Tokens a request read from other positions: ``moved`` per shifted block its load
     planned after ``exact_tokens`` read in place, cut where vLLM lowered its external cached

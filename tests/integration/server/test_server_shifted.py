@@ -137,18 +137,21 @@ def test_after_a_restart_the_history_on_disk_is_loaded_shifted(
     one_layer_server: ServerProcess,
 ) -> None:
     """The token ids of the session's blocks come back from their files' header pages after
-    a restart: the trimmed turn reads its history from disk at new positions, as recompute."""
+    a restart: the trimmed turn reads its history from disk at new positions, as recompute.
+    The seam lies 2 tokens into a block: that block's 2 shared tokens, too few to be worth a
+    disk read alone, lead the shifted hit."""
     server = one_layer_server
+    system = SYSTEM + [rng.randrange(100, 40000) for _ in range(90)]  # 130: 2 into block 1
     old = [rng.randrange(100, 40000) for _ in range(300)]
     kept = [rng.randrange(100, 40000) for _ in range(500)]
     with server.client() as c:
-        first = _complete(c, server.model, SYSTEM + old + kept, session_id="restarted")
+        first = _complete(c, server.model, system + old + kept, session_id="restarted")
         assert _cached(first) <= len(SYSTEM)
     server.restart()
-    trimmed = SYSTEM + kept + NEW
+    trimmed = system + kept + NEW
     with server.client() as c:
         shifted = _complete(c, server.model, trimmed, session_id="restarted")
-        assert _cached(shifted) == len(SYSTEM) + len(kept)
+        assert _cached(shifted) == len(system) + len(kept)
         assert shifted.json()["kv_transfer_params"] == {"lgkv_shifted_tokens": len(kept)}
         exact = {"lgkv_reuse": "exact"}
         reference = _complete(c, server.model, trimmed, cache_salt="ref3", vllm_xargs=exact)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from server.kv.scheduler.continuations import Continuations
-from server.kv.scheduler.shifted import Segment, find_runs, plan_blocks
+from server.kv.scheduler.shifted import (
+    Segment,
+    ShiftedHit,
+    find_runs,
+    plan_blocks,
+    tail_or_shifted,
+)
+from server.kv.scheduler.tails import TailHit
 
 BS = 8
 
@@ -58,6 +65,24 @@ def test_a_seam_inside_a_block_starts_the_runs_after_the_exact_part_of_that_bloc
         (head, Segment("b2", 1, 2, 6, -7)),  # stored 17..22 -> 10..15
         (Segment("b2", 7, 0, 1, -7), Segment("b3", 0, 1, 5, -7)),  # the last block in part
     )
+
+
+def test_a_partial_block_on_disk_too_small_to_read_alone_still_leads_a_shifted_hit() -> None:
+    saved = TailHit("saved-tail", 1, 1, "disk")
+    partial = TailHit("shared-block", 1, 2, "disk")  # 2 of 128 tokens: not worth a read alone
+    asked: list[TailHit | None] = []
+
+    def shift(head: TailHit | None) -> ShiftedHit | None:
+        asked.append(head)
+        return ShiftedHit(1, ((Segment("shared-block", 0, 0, 2, 0),),), 502)
+
+    assert tail_or_shifted(saved, partial, None, 128) == (saved, None)
+    tail, shifted = tail_or_shifted(saved, partial, shift, 128)
+    assert tail is None and shifted is not None and shifted.tokens == 502
+    assert asked == [partial]  # the shifted hit was offered the partial block to lead it
+    in_ram = TailHit("shared-block", 1, 2, "ram")
+    assert tail_or_shifted(saved, in_ram, lambda head: None, 128) == (in_ram, None)
+    assert tail_or_shifted(None, TailHit("b", 1, 16, "disk"), None, 128)[0] is not None
 
 
 torch = pytest.importorskip("torch")
