@@ -163,14 +163,17 @@ def make_case(http: httpx.Client, model: str, rng: random.Random, window: int) -
     return Case(first, tokenize(messages(history[-kept:], asked)), asked, begun)
 
 
-def against(on: Answer, off: Answer, code: str) -> dict[str, Any]:
-    """``on`` against recompute's ``off``: identity, first divergence, logprob difference."""
+def against(on: Answer, off: Answer, probe_on: Answer, probe_off: Answer, code: str) -> dict:
+    """``on`` against recompute's ``off``: identity, first divergence, logprob difference;
+    and whether each (and each begun answer, ``probe_*``) names the note's ``code``."""
     pairs = enumerate(zip(on.tokens, off.tokens, strict=False))
     diverge = next((i for i, (a, b) in pairs if a != b), min(len(on.tokens), len(off.tokens)))
     same = zip(on.logprobs[:diverge], off.logprobs[:diverge], strict=False)
     diffs = [abs(a - b) for a, b in same]
-    return {"same": on.tokens == off.tokens, "diverge": diverge, "right": code in on.text,
-            "lp": statistics.fmean(diffs) if diffs else 0.0}  # fmt: skip
+    return {"same": on.tokens == off.tokens, "diverge": diverge,
+            "lp": statistics.fmean(diffs) if diffs else 0.0, "right": code in on.text,
+            "right_off": code in off.text, "probe": code in probe_on.text,
+            "probe_off": code in probe_off.text}  # fmt: skip
 
 
 def conversation(http: httpx.Client, model: str, case: Case, tag: str) -> dict[str, Any]:
@@ -189,8 +192,7 @@ def conversation(http: httpx.Client, model: str, case: Case, tag: str) -> dict[s
     probe_off = complete(http, model, second + case.begun, 6, cache_salt=salt)
     return {"prompt": len(second), "reusable": _shared_runs(first, second), "cached": on.cached,
             "exact_cached": exact.cached, "ttft": on.ttft_s, "ttft_exact": exact.ttft_s,
-            "ttft_off": off.ttft_s, **against(on, off, code), "right_off": code in off.text,
-            "probe": code in probe_on.text, "probe_off": code in probe_off.text}  # fmt: skip
+            "ttft_off": off.ttft_s, **against(on, off, probe_on, probe_off, code)}  # fmt: skip
 
 
 def seam_runs(http: httpx.Client, model: str, case: Case, ks: list[int], tag: str) -> list[dict]:
@@ -216,16 +218,15 @@ def seam_runs(http: httpx.Client, model: str, case: Case, ks: list[int], tag: st
         probe = complete(http, model, case.second + case.begun, 6, session_id=session, **own)
         out.append({"k": k, "cached": on.cached, "moved": moved, "ttft": on.ttft_s,
                     "ttft_both": pre_s + on.ttft_s, "ttft_off": off.ttft_s,
-                    **against(on, off, code), "right_off": code in off.text,
-                    "probe": code in probe.text, "probe_off": code in probe_off.text})  # fmt: skip
+                    **against(on, off, probe, probe_off, code)})  # fmt: skip
     return out
 
 
 def shifted_tokens(http: httpx.Client) -> float:
     """The server's ``lgkv_hit_shifted_tokens_total``: tokens loaded at moved positions."""
-    text = http.get("/metrics").text
-    lines = (ln for ln in text.splitlines() if ln.startswith("lgkv_hit_shifted_tokens_total"))
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+    from examples.managed import metric_sum
+
+    return metric_sum(http.get("/metrics").text, "lgkv_hit_shifted_tokens_total")
 
 
 def _shared_runs(first: list[int], second: list[int], ngram: int = 16) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -32,7 +33,7 @@ from typing import TypeVar
 
 import httpx
 
-__all__ = ["REPO_ROOT", "Managed", "StartError", "free_port", "log_tail"]
+__all__ = ["REPO_ROOT", "Managed", "StartError", "free_port", "log_tail", "metric_sum"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,20 @@ def log_tail(path: Path, lines: int = 30) -> str:
     if not path.is_file():
         return ""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the Prometheus samples ``name`` in ``text`` (a ``/metrics`` answer) whose labels
+    include ``labels``; 0 when there is none yet."""
+    total = 0.0
+    for line in text.splitlines():
+        found = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if found is None:
+            continue
+        given = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1) or ""))
+        if all(given.get(k) == v for k, v in labels.items()):
+            total += float(found.group(2))
+    return total
 
 
 def _die_with_parent() -> None:

@@ -27,7 +27,6 @@ Its output goes to ``<log_dir>/router.log`` (a temp folder by default).
 
 from __future__ import annotations
 
-import re
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from examples.managed import Managed, StartError, free_port
+from examples.managed import Managed, StartError, free_port, metric_sum
 
 __all__ = ["ROUTER_FLAGS", "RouterProcess", "RouterStartError"]
 
@@ -163,13 +162,4 @@ class RouterProcess(Managed):
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the router's Prometheus samples ``name`` whose labels include ``labels``
         (0 when there is none yet), e.g. ``metric("vllm_router_retries_total")``."""
-        total = 0.0
-        text = httpx.get(self.metrics_url, timeout=5).text
-        for line in text.splitlines():
-            found = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-            if found is None:
-                continue
-            given = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1) or ""))
-            if all(given.get(k) == v for k, v in labels.items()):
-                total += float(found.group(2))
-        return total
+        return metric_sum(httpx.get(self.metrics_url, timeout=5).text, name, **labels)

@@ -185,7 +185,8 @@ def find_shifted(
     head = None
     if part is not None and part.index == first and part.tier in usable and part.tokens:
         head = Segment(part.key, 0, 0, part.tokens, 0)
-    start = first * block_size + (head.count if head is not None else 0)
+    lead = head.count if head is not None else 0
+    start = first * block_size + lead
     end = request.num_tokens - 1  # vLLM computes at least one token
     if end - start < min_run:
         return None
@@ -193,7 +194,7 @@ def find_shifted(
     runs = find_runs(stored, prompt, start, end, min_run)
     planned = plan_blocks(runs, blocks, block_size, lambda key: tier_of(key) in usable, head)
     tokens = sum(s.count for block in planned for s in block)
-    if tokens - (head.count if head is not None else 0) < min_run:
+    if tokens - lead < min_run:
         return None
     disk = any(tier_of(s.key) != "ram" for block in planned for s in block)
     return ShiftedHit(first, planned, tokens, disk)
